@@ -1,0 +1,92 @@
+"""Process-group set-up: the only place that decides backend and device.
+
+Two ways in, one code path after: ``omnilearn train`` spawns local workers
+that rendezvous through a file store in a private temp directory, and
+``torchrun`` sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` for
+the ``env://`` rendezvous. gloo on CPU, NCCL when the device is CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so host clocks measure it (CUDA only)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_world_size() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    """``auto``: this rank's GPU when CUDA is present, else the CPU."""
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but CUDA is not available; use --device cpu or auto")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def init(
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    device_preference: str,
+    timeout_s: float,
+    init_method: str = "env://",
+) -> DistContext:
+    """Join the process group and pin this process to its device and CPU share."""
+    device = pick_device(device_preference, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        # Workers share the host's cores: no oversubscription from intra-op threads.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    return DistContext(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+def init_from_torchrun(device_preference: str, timeout_s: float) -> DistContext:
+    env = os.environ
+    return init(
+        int(env["RANK"]),
+        int(env["WORLD_SIZE"]),
+        int(env.get("LOCAL_RANK", 0)),
+        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        device_preference,
+        timeout_s,
+    )
+
+
+def destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,76 @@
+"""Run directory: ``config.toml``, ``metrics.jsonl``, ``summary.json``, ``model.pt``.
+
+``metrics.jsonl`` holds one JSON object per line with an ``event`` field:
+``step`` (one per step per worker), ``decision`` (one per controller
+decision), ``speeds`` (an emulated speed change) and ``eval`` (test metrics).
+Only rank 0 writes; it gets every worker's rows once per control interval.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "model.pt")
+
+
+class RunDirError(ValueError):
+    """The output directory cannot be used as asked."""
+
+
+def default_out() -> Path:
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out, k = base, 1
+    while out.exists():
+        out, k = Path(f"{base}-{k}"), k + 1
+    return out
+
+
+def prepare(out: str | None, overwrite: bool) -> Path:
+    """Check and create the run directory before anything is written to it."""
+    path = default_out() if out is None else Path(out)
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"--out {str(path)!r} is a file, not a directory; choose another --out")
+    previous = [f for f in RUN_FILES if (path / f).exists()]
+    if previous and not overwrite:
+        raise RunDirError(
+            f"--out {str(path)!r} already holds a run ({', '.join(previous)}); "
+            "choose another --out or pass --overwrite"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for f in previous:
+            (path / f).unlink()
+    except OSError as e:
+        raise RunDirError(f"cannot use --out {str(path)!r}: {e.strerror}") from None
+    return path
+
+
+class MetricsLog:
+    """Appends JSON lines to ``metrics.jsonl`` (rank 0 only)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_metrics(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
+    with open(Path(run_dir) / "metrics.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if event is None or r.get("event") == event]

@@ -1,0 +1,130 @@
+"""Rank 0's record of a run: metrics.jsonl, progress output, summary.json, model.pt."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from statistics import fmean
+
+import torch
+
+from omnilearn.config import TrainConfig
+from omnilearn.controller import Decision
+from omnilearn.efficiency import StepRow, balance_efficiency, by_step, ideal_step_s, measured_step_s, worker_stats
+from omnilearn.progress import Console
+from omnilearn.rundir import MetricsLog, write_json
+from omnilearn.runplan import RunPlan
+
+
+class Telemetry:
+    def __init__(self, cfg: TrainConfig, run: RunPlan, run_dir: Path | None) -> None:
+        self.cfg, self.run, self.run_dir = cfg, run, run_dir
+        self.log = MetricsLog(run_dir) if run_dir is not None else None
+        self.console = Console()
+        self.rows: list[StepRow] = []
+        self.train_loss: dict[int, float] = {}
+        self.last_eval: dict = {}
+        self.last_interval: list[list[StepRow]] = []
+        self._speeds: tuple[float, ...] | None = None
+        self.decisions = 0
+
+    def _write(self, record: dict) -> None:
+        if self.log is not None:
+            self.log.write(record)
+
+    def speeds(self, step: int, speeds: tuple[float, ...]) -> None:
+        if speeds == self._speeds:
+            return
+        self._speeds = speeds
+        self._write({"event": "speeds", "step": step, "speeds": list(speeds)})
+        if step > 0:
+            self.console.speeds(step, speeds)
+
+    def interval(self, table: list[list[list[float]]], decision: Decision, effective: int) -> None:
+        spe = self.run.steps_per_epoch
+        new_rows = []
+        for rank, rows in enumerate(table):
+            for step, batch, compute_s, wait_s, step_s, loss, delay_s, lr in rows:
+                step, batch = int(step), int(batch)
+                self._write({"event": "step", "step": step, "epoch": step // spe, "rank": rank, "batch": batch,
+                             "compute_s": compute_s, "wait_s": wait_s, "step_s": step_s, "loss": loss,
+                             "lr": lr, "delay_s": delay_s})
+                new_rows.append(StepRow(step, rank, batch, compute_s, wait_s, step_s))
+                self.train_loss[step] = self.train_loss.get(step, 0.0) + loss * batch / self.cfg.global_batch
+        self.rows.extend(new_rows)
+        steps = by_step(new_rows)
+        self.last_interval = list(steps.values())
+        applied = decision.changed and effective < self.run.total_steps
+        self._write({"event": "decision", "step": decision.step, "effective_step": effective if applied else None,
+                     "old": list(decision.old), "new": list(decision.new), "times_s": list(decision.times_s),
+                     "changed": applied, "reason": decision.reason})
+        self._progress(decision, steps)
+        if applied:
+            self.decisions += 1
+            self.console.rebalance(decision.step, effective, decision.old, decision.new, decision.times_s)
+        if self.log is not None:
+            self.log.flush()
+
+    def _progress(self, decision: Decision, steps: dict[int, list[StepRow]]) -> None:
+        last = max(steps)
+        self.console.progress(
+            last + 1, self.run.total_steps, last // self.run.steps_per_epoch,
+            fmean(self.train_loss[s] for s in steps), decision.old,
+            fmean(measured_step_s(v) for v in steps.values()),
+            fmean(ideal_step_s(v) for v in steps.values()),
+            max(fmean(r.wait_s for r in v) for v in zip(*steps.values())),
+        )
+
+    def evaluation(self, epoch: int, step: int, wall_s: float, loss: float, accuracy: float) -> None:
+        self.last_eval = {"epoch": epoch, "step": step, "wall_s": wall_s, "test_loss": loss, "test_accuracy": accuracy}
+        self._write({"event": "eval", **self.last_eval})
+
+    def finish(self, wall_s: float, model: torch.nn.Module) -> dict:
+        summary = self.summary(wall_s)
+        if self.run_dir is not None:
+            write_json(self.run_dir / "summary.json", summary)
+            torch.save(model.state_dict(), self.run_dir / "model.pt")
+        if self.log is not None:
+            self.log.close()
+        first = summary["stats_from_step"]
+        self.console.table(worker_stats(self.rows, first), self._speeds or self.cfg.declared_speeds, first)
+        self.console.info(
+            f"balance efficiency {summary['balance_efficiency']:.3f} (ideal step {summary['ideal_step_s'] * 1e3:.1f} ms, "
+            f"measured {summary['mean_step_s'] * 1e3:.1f} ms) | {summary['samples_per_s']:.0f} samples/s | "
+            f"test accuracy {summary['test_accuracy']:.2%} | {summary['steps']} steps in {wall_s:.1f} s"
+        )
+        if self.run_dir is not None:
+            self.console.info(f"run directory: {self.run_dir}")
+        return summary
+
+    def summary(self, wall_s: float) -> dict:
+        steps = self.run.total_steps
+        first = steps // 2
+        stats = worker_stats(self.rows, first)
+        last = {r: fmean(x.compute_s for x in rows) for r, rows in _per_rank(self.last_interval).items()}
+        half = [v for s, v in by_step(self.rows).items() if s >= first]
+        return {
+            "steps": steps, "wall_s": wall_s, "samples_per_s": steps * self.cfg.global_batch / wall_s,
+            "final_train_loss": self.train_loss[steps - 1], "test_accuracy": self.last_eval.get("test_accuracy"),
+            "test_loss": self.last_eval.get("test_loss"), "controller": self.cfg.controller,
+            "rebalances": self.decisions, "stats_from_step": first,
+            "balance_efficiency": balance_efficiency(self.rows, first),
+            "ideal_step_s": fmean(ideal_step_s(v) for v in half),
+            "mean_step_s": fmean(measured_step_s(v) for v in half),
+            "last_interval_compute_s": [last[r] for r in sorted(last)],
+            "last_interval_compute_spread": max(last.values()) / min(last.values()) - 1,
+            "workers": [
+                {"rank": s.rank, "declared_speed": (self._speeds or self.cfg.declared_speeds)[s.rank], "mean_batch": s.mean_batch,
+                 "mean_compute_s": s.mean_compute_s, "mean_wait_s": s.mean_wait_s, "speed": s.speed}
+                for s in stats
+            ],
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+
+def _per_rank(steps: list[list[StepRow]]) -> dict[int, list[StepRow]]:
+    out: dict[int, list[StepRow]] = {}
+    for rows in steps:
+        for r in rows:
+            out.setdefault(r.rank, []).append(r)
+    return out

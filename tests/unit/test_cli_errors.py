@@ -1,0 +1,79 @@
+"""Bad input to ``omnilearn train``: one clear line, exit status 2, nothing written.
+
+Run: ``python -m pytest -q tests/unit/test_cli_errors.py``. These fail before
+any worker process starts, so they are fast.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from omnilearn.cli import main
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--workers", "0"], "--workers 0"),
+        (["--workers", "4", "--global-batch", "16", "--min-batch", "8"], "smaller than workers x min batch"),
+        (["--workers", "2", "--global-batch", "512", "--max-batch", "100"], "larger than workers x max batch"),
+        (["--min-batch", "64", "--max-batch", "32"], "min batch 64 is larger than max batch 32"),
+        (["--workers", "3", "--speeds", "4,2"], "give 2 workers but --workers is 3"),
+        (["--workers", "2", "--speeds", "1,-1"], "speed -1"),
+        (["--workers", "2", "--speeds", "1,zero"], "cannot read speeds"),
+        (["--speeds", "HL3"], "unknown heterogeneity level 'HL3'"),
+        (["--workers", "3", "--speeds", "HL8"], "give 4 workers but --workers is 3"),
+        (["--model", "resnet9000"], "unknown model 'resnet9000'"),
+        (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+        (["--config", "/nonexistent/x.toml"], "cannot read config file"),
+        (["--global-batch", "0"], "--global-batch 0 must be positive"),
+        (["--max-steps", "0"], "--max-steps 0"),
+        (["--deadband", "1.5"], "--deadband 1.5"),
+        (["--speed-schedule", "/nonexistent/s.toml"], "cannot read speed schedule"),
+        (["--workers", "2", "--speed-schedule", "paper"], "paper schedule is defined for 4 workers"),
+        (["--global-batch", "100000"], "larger than the mnist1d training set"),
+        (["--controller", "magic"], "invalid choice: 'magic'"),
+        (["--global-batch", "lots"], "invalid int value: 'lots'"),
+        (["--loader-workers", "4", "--control-interval", "5"], "--control-interval 5 is too short"),
+    ],
+)
+def test_bad_flag_gives_one_line_and_exit_2(tmp_path, capsys, flags, needle):
+    out = tmp_path / "out"
+    assert main(["train", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("omnilearn: error: ")
+    assert needle in err
+    assert not out.exists()
+
+
+def test_bad_config_file_contents(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nworkers = 2\nbogus_key = 1\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "unknown setting 'bogus_key'" in capsys.readouterr().err
+    cfg.write_text("workers = 'two'\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "workers = 'two' must be a int" in capsys.readouterr().err
+    cfg.write_text("workers = [\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "is not valid TOML" in capsys.readouterr().err
+
+
+def test_existing_run_is_refused_without_overwrite_and_left_intact(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text('{"keep": true}')
+    assert main(["train", "--out", str(out)]) == 2
+    assert "already holds a run (summary.json)" in capsys.readouterr().err
+    assert (out / "summary.json").read_text() == '{"keep": true}'
+
+
+def test_console_script_prints_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "omnilearn", "train", "--workers", "-2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "omnilearn: error: --workers -2 must be positive"

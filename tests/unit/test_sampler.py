@@ -1,0 +1,287 @@
+"""Unit tests for the variable-batch data path (``omnilearn.sampler``).
+
+Checks the properties the design promises: every index exactly once per epoch
+(the ``N mod B`` remainder dropped) under any sequence of batch-size changes;
+the samples of a step and their order do not depend on the number of workers
+or on the split; seeded per-epoch permutations; input validation; and the
+sampler used as ``batch_sampler`` of a real ``DataLoader`` (also with worker
+processes and prefetching) with schedule changes registered at runtime.
+
+Run:  cd /work/main && python -m pytest -q tests/unit/test_sampler.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, TensorDataset
+
+from omnilearn.sampler import BatchSchedule, GlobalPlan, VariableBatchSampler
+
+SETTINGS = settings(max_examples=100, deadline=None)
+
+
+@st.composite
+def split(draw, total: int, workers: int) -> tuple[int, ...]:
+    """A random composition of ``total`` into ``workers`` positive parts."""
+    if workers == 1:
+        return (total,)
+    cuts = sorted(draw(st.sets(st.integers(1, total - 1), min_size=workers - 1, max_size=workers - 1)))
+    bounds = [0, *cuts, total]
+    return tuple(bounds[i + 1] - bounds[i] for i in range(workers))
+
+
+@st.composite
+def run_setup(draw):
+    """Dataset size, global batch, worker count, epochs, and batch-vector changes by step."""
+    global_batch = draw(st.integers(1, 24))
+    dataset_len = draw(st.integers(global_batch, 120))
+    workers = draw(st.integers(1, min(global_batch, 6)))
+    epochs = draw(st.integers(1, 3))
+    plan = GlobalPlan(dataset_len, global_batch, seed=draw(st.integers(0, 2**31)))
+    total = plan.steps_per_epoch * epochs
+    initial = draw(split(global_batch, workers))
+    change_steps = draw(st.sets(st.integers(1, max(1, total - 1)), max_size=8)) if total > 1 else set()
+    changes = {s: draw(split(global_batch, workers)) for s in sorted(change_steps)}
+    return plan, workers, epochs, initial, changes
+
+
+def concat(plan: GlobalPlan, step: int, batches) -> list[int]:
+    return [i for r in range(len(batches)) for i in plan.worker_indices(step, batches, r)]
+
+
+# ---------------------------------------------------------------- coverage per epoch
+
+
+@SETTINGS
+@given(run_setup())
+def test_every_index_once_per_epoch_with_changing_batches(setup):
+    plan, workers, epochs, initial, changes = setup
+    spe, B, N = plan.steps_per_epoch, plan.global_batch, plan.dataset_len
+    schedules = [BatchSchedule(initial) for _ in range(workers)]  # one per rank, as in real runs
+    samplers = [VariableBatchSampler(plan, schedules[r], r) for r in range(workers)]
+    in_force = initial
+    step = 0
+    for epoch in range(epochs):
+        for s in samplers:
+            s.set_epoch(epoch)
+        seen: list[int] = []
+        for per_rank in zip(*samplers):
+            in_force = changes.get(step, in_force)
+            assert [len(x) for x in per_rank] == list(in_force)
+            flat = [i for x in per_rank for i in x]
+            assert flat == plan.step_indices(step).tolist()
+            seen.extend(flat)
+            step += 1
+            if step in changes:  # registered after the previous step was handed out
+                for sch in schedules:
+                    sch.change(step, changes[step])
+        assert step == (epoch + 1) * spe
+        assert len(seen) == spe * B
+        assert len(set(seen)) == len(seen), "an index appeared twice in one epoch"
+        assert set(seen) <= set(range(N))
+        assert N - len(set(seen)) == N % B  # only the remainder is dropped
+        perm = plan.permutation(epoch)
+        assert sorted(seen) == sorted(perm[: spe * B].tolist())
+        assert set(range(N)) - set(seen) == set(perm[spe * B :].tolist())
+
+
+# ---------------------------------------------------------------- split independence
+
+
+@st.composite
+def two_splits(draw):
+    global_batch = draw(st.integers(1, 40))
+    dataset_len = draw(st.integers(global_batch, 200))
+    plan = GlobalPlan(dataset_len, global_batch, seed=draw(st.integers(0, 1000)))
+    step = draw(st.integers(0, plan.steps_per_epoch * 3 - 1))
+    n1 = draw(st.integers(1, min(global_batch, 8)))
+    n2 = draw(st.integers(1, min(global_batch, 8)))
+    return plan, step, draw(split(global_batch, n1)), draw(split(global_batch, n2))
+
+
+@SETTINGS
+@given(two_splits())
+def test_step_samples_and_order_independent_of_workers_and_split(case):
+    plan, step, a, b = case
+    single = plan.worker_indices(step, [plan.global_batch], 0)
+    assert len(single) == plan.global_batch
+    assert concat(plan, step, a) == single
+    assert concat(plan, step, b) == single
+    # contiguous slices: worker r starts where worker r-1 ended
+    starts = np.cumsum([0, *a[:-1]])
+    for r, (s0, br) in enumerate(zip(starts, a)):
+        assert plan.worker_indices(step, a, r) == single[s0 : s0 + br]
+
+
+def test_worker_slices_hand_example():
+    plan = GlobalPlan(10, 6, seed=3)
+    perm = plan.permutation(0).tolist()
+    assert plan.worker_indices(0, [1, 2, 3], 0) == perm[0:1]
+    assert plan.worker_indices(0, [1, 2, 3], 1) == perm[1:3]
+    assert plan.worker_indices(0, [1, 2, 3], 2) == perm[3:6]
+    # steps_per_epoch == 1: step 1 is epoch 1's first batch
+    assert plan.worker_indices(1, [6], 0) == plan.permutation(1).tolist()[0:6]
+
+
+# ---------------------------------------------------------------- permutations
+
+
+@SETTINGS
+@given(st.integers(20, 300), st.integers(0, 2**31), st.integers(0, 50), st.integers(1, 50))
+def test_permutation_seeded_per_epoch(n, seed, epoch, delta):
+    p1 = GlobalPlan(n, 1, seed=seed).permutation(epoch)
+    p2 = GlobalPlan(n, 1, seed=seed).permutation(epoch)
+    assert sorted(p1.tolist()) == list(range(n))
+    np.testing.assert_array_equal(p1, p2)
+    assert not np.array_equal(p1, GlobalPlan(n, 1, seed=seed).permutation(epoch + delta))
+    assert not np.array_equal(p1, GlobalPlan(n, 1, seed=seed + delta).permutation(epoch))
+
+
+# ---------------------------------------------------------------- validation
+
+
+@SETTINGS
+@given(st.integers(1, 100), st.integers(1, 100))
+def test_plan_rejects_dataset_smaller_than_global_batch(n, extra):
+    with pytest.raises(ValueError, match="global batch"):
+        GlobalPlan(n, n + extra)
+    assert GlobalPlan(n, n).steps_per_epoch == 1  # exactly one batch is fine
+
+
+@pytest.mark.parametrize("bad_batch", [0, -3])
+def test_plan_rejects_non_positive_global_batch(bad_batch):
+    with pytest.raises(ValueError):
+        GlobalPlan(10, bad_batch)
+
+
+@SETTINGS
+@given(st.integers(2, 30), st.data())
+def test_worker_indices_rejects_batches_not_summing_to_b(B, data):
+    plan = GlobalPlan(B * 2, B)
+    n = data.draw(st.integers(1, min(B, 5)))
+    good = list(data.draw(split(B, n)))
+    off = data.draw(st.integers(-good[-1], 5).filter(lambda d: d != 0))
+    bad = good[:-1] + [good[-1] + off]
+    for r in range(n):
+        with pytest.raises(ValueError, match="sum"):
+            plan.worker_indices(0, bad, r)
+
+
+def test_schedule_refuses_read_step_and_non_increasing_changes():
+    sch = BatchSchedule((4, 4))
+    assert sch.at(0) == (4, 4)
+    assert sch.at(5) == (4, 4)
+    with pytest.raises(RuntimeError):
+        sch.change(5, (2, 6))  # already handed out
+    with pytest.raises(RuntimeError):
+        sch.change(2, (2, 6))
+    sch.change(6, (2, 6))
+    with pytest.raises(RuntimeError):
+        sch.change(6, (3, 5))  # same step again
+    sch.change(9, (3, 5))
+    with pytest.raises(RuntimeError):
+        sch.change(8, (1, 7))  # moving backwards
+    assert [sch.at(s) for s in (5, 6, 8, 9, 100)] == [(4, 4), (2, 6), (2, 6), (3, 5), (3, 5)]
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 5), min_size=0, max_size=10), st.integers(0, 80))
+def test_schedule_at_matches_reference(gaps, probe):
+    starts = list(np.cumsum(gaps)) if gaps else []
+    sch = BatchSchedule((1,))
+    for k, s in enumerate(starts):
+        sch.change(int(s), (k + 2,))
+    expected = (1,)
+    for k, s in enumerate(starts):
+        if s <= probe:
+            expected = (k + 2,)
+    assert sch.at(probe) == expected
+    with pytest.raises(RuntimeError):
+        sch.change(probe, (99,))  # probe has now been read
+
+
+# ---------------------------------------------------------------- DataLoader
+
+
+def _loader(plan, schedule, rank, num_workers, steps=None, **kw):
+    ds = TensorDataset(torch.arange(plan.dataset_len))
+    sampler = VariableBatchSampler(plan, schedule, rank, steps=steps)
+    if num_workers:
+        kw.setdefault("prefetch_factor", 2)
+    return sampler, DataLoader(ds, batch_sampler=sampler, num_workers=num_workers, **kw)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_runtime_changes_ahead_of_prefetch(num_workers):
+    plan = GlobalPlan(97, 12, seed=7)  # 8 steps per epoch, 1 dropped
+    ranks, prefetch = 3, 2
+    ahead = num_workers * prefetch + 1
+    initial = (4, 4, 4)
+    changes: dict[int, tuple[int, ...]] = {}
+    got: dict[int, list[list[int]]] = {s: [] for s in range(plan.steps_per_epoch)}
+    for rank in range(ranks):
+        rng = np.random.default_rng(0)  # same decisions on every rank
+        schedule = BatchSchedule(initial)
+        sampler, loader = _loader(plan, schedule, rank, num_workers)
+        for step, (x,) in enumerate(loader):
+            got[step].append(x.tolist())
+            if num_workers and step + 1 < plan.steps_per_epoch:
+                with pytest.raises(RuntimeError):
+                    schedule.change(step + 1, (1, 1, 10))  # already prefetched
+            target = step + ahead
+            if target < plan.steps_per_epoch:
+                cuts = np.sort(rng.choice(np.arange(1, 12), size=2, replace=False))
+                b = (int(cuts[0]), int(cuts[1] - cuts[0]), int(12 - cuts[1]))
+                schedule.change(target, b)
+                if rank == 0:
+                    changes[target] = b
+        assert step == plan.steps_per_epoch - 1
+    assert len(changes) >= 2
+    in_force = initial
+    seen = []
+    for step in range(plan.steps_per_epoch):
+        in_force = changes.get(step, in_force)
+        for rank in range(ranks):
+            assert got[step][rank] == plan.worker_indices(step, in_force, rank)
+        flat = [i for part in got[step] for i in part]
+        assert flat == plan.step_indices(step).tolist()
+        seen += flat
+    assert len(set(seen)) == len(seen) == 96
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_total_steps_across_epochs(num_workers):
+    plan = GlobalPlan(23, 5, seed=1)  # 4 steps per epoch
+    schedule = BatchSchedule((2, 3))
+    kw = {"persistent_workers": True} if num_workers else {}
+    sampler, loader = _loader(plan, schedule, 1, num_workers, steps=10, **kw)
+    lengths, step = [], 0
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        lengths.append(len(sampler))
+        n = 0
+        for (x,) in loader:
+            assert x.tolist() == plan.worker_indices(step, (2, 3), 1)
+            step, n = step + 1, n + 1
+        assert n == len(sampler) == len(loader)
+    assert lengths == [4, 4, 2, 0]
+    assert step == 10
+
+
+@SETTINGS
+@given(st.integers(1, 60), st.integers(1, 60), st.one_of(st.none(), st.integers(0, 200)), st.integers(0, 8))
+def test_sampler_len_and_steps(B, extra, total, epoch):
+    plan = GlobalPlan(B + extra, B)
+    sampler = VariableBatchSampler(plan, BatchSchedule((B,)), 0, steps=total)
+    sampler.set_epoch(epoch)
+    spe = plan.steps_per_epoch
+    batches = list(sampler)
+    first = epoch * spe
+    expected = spe if total is None else max(0, min(spe, total - first))
+    assert len(sampler) == len(batches) == expected
+    for k, b in enumerate(batches):
+        assert b == plan.step_indices(first + k).tolist()
