@@ -14,6 +14,7 @@ ends with one ``omnilearn: error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -27,7 +28,7 @@ EXIT_USAGE, EXIT_FAILED = 2, 1
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
-        raise ConfigError(f"{message} (see `omnilearn {self.prog.split()[-1]} --help`)")
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
 def _train_parser(sub) -> None:
@@ -71,6 +72,12 @@ def parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace) -> TrainConfig:
     values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     file_values = load_toml(args.config) if getattr(args, "config", None) else {}
+    merged = {**file_values, **values}
+    if merged.get("speeds") is not None and merged.get("speed_schedule") is not None:
+        raise ConfigError("--speeds and --speed-schedule both given; the schedule sets the speeds, drop --speeds")
+    schedule = merged.get("speed_schedule")
+    if isinstance(schedule, str) and schedule != "paper":
+        values["speed_schedule"] = os.path.abspath(schedule)  # config.toml repeats the run from anywhere
     from omnilearn.dist.group import launched_by_torchrun, torchrun_world_size
 
     if launched_by_torchrun():
@@ -84,21 +91,20 @@ def _config(args: argparse.Namespace) -> TrainConfig:
 
 def train(args: argparse.Namespace) -> int:
     from omnilearn import data, launch
-    from omnilearn.dist.group import launched_by_torchrun
+    from omnilearn.dist.group import device_problem, launched_by_torchrun
     from omnilearn.runplan import resolve
 
     cfg = _config(args)
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
+    problem = device_problem(cfg.device, local_workers)
+    if problem:
+        raise ConfigError(problem)
     resolve(cfg, len(data.load(cfg.dataset).train))  # fail fast, before any process starts
     if launched_by_torchrun():
-        import os
-
-        run_dir = prepare(cfg.out, cfg.overwrite) if os.environ["RANK"] == "0" else None
-        if run_dir is not None:
-            (run_dir / "config.toml").write_text(dump_toml(cfg))
+        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if os.environ["RANK"] == "0" else None
         launch.run_torchrun(cfg, run_dir)
         return 0
-    run_dir = prepare(cfg.out, cfg.overwrite)
-    (run_dir / "config.toml").write_text(dump_toml(cfg))
+    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
     print(f"omnilearn: {cfg.workers} workers, speeds {cfg.speeds}, controller {cfg.controller}, "
           f"global batch {cfg.global_batch}, run directory {run_dir}", flush=True)
     launch.run_local(cfg, run_dir)

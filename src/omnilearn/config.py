@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -19,17 +19,14 @@ from omnilearn.controller import CONTROLLERS
 from omnilearn.data import DATASETS
 from omnilearn.models import MODELS
 from omnilearn.speeds import BSP_LEVELS, SpeedError, parse_speeds
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from omnilearn.tomlfile import read_toml
 
 
 class ConfigError(ValueError):
     """A user-facing configuration mistake; the message names the value and the fix."""
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 EMULATORS = ("delay", "none")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -66,6 +63,10 @@ class TrainConfig:
         _positive(self, "workers", "global_batch", "epochs", "lr", "control_interval", "timeout_s")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"--max-steps {self.max_steps} must be at least 1 (or omit it to run --epochs)")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"--seed {self.seed} must be in [0, 2**63)")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"--timeout-s {self.timeout_s:g} is too long; use at most {MAX_TIMEOUT_S:g} seconds")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum {self.momentum} must be in [0, 1)")
         if not 0 <= self.deadband < 1:
@@ -104,6 +105,8 @@ def _check_types(cfg: TrainConfig) -> None:
             raise ConfigError(f"{f.name} = {value!r} must be a {kinds[0].__name__}")
         if not isinstance(value, kinds):
             raise ConfigError(f"{f.name} = {value!r} must be a {kinds[0].__name__}")
+        if float in kinds and not math.isfinite(value):
+            raise ConfigError(f"{f.name} = {value!r} must be a finite number")
         if float in kinds and isinstance(value, int):
             object.__setattr__(cfg, f.name, float(value))
 
@@ -136,14 +139,11 @@ def normalise_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 def load_toml(path: str) -> dict[str, Any]:
     """Read a config file; a ``[train]`` table or top-level keys both work."""
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}; check the path") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
-    return normalise_keys(doc.get("train", doc), path)
+    doc = read_toml(path, "config file", ConfigError)
+    table = doc.get("train", doc)
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path!r}: [train] must be a table of settings")
+    return normalise_keys(table, path)
 
 
 def build(file_values: Mapping[str, Any], cli_values: Mapping[str, Any]) -> TrainConfig:

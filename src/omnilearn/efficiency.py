@@ -43,8 +43,9 @@ def by_step(rows: Iterable[StepRow]) -> dict[int, list[StepRow]]:
 def measured_step_s(rows: Sequence[StepRow]) -> float:
     """The step's duration: the workers' mean ``step_s``.
 
-    Each worker's step times add up to the run's elapsed time, so their mean is
-    the true step period; a per-step maximum would count clock jitter as imbalance.
+    Each worker's step times add up to the time it spent in steps, so their
+    mean is the step period; a per-step maximum would count clock jitter as
+    imbalance. (Evaluation and the once-per-interval gather fall between steps.)
     """
     return fmean(r.step_s for r in rows)
 

@@ -58,9 +58,10 @@ class Console:
     def speeds(self, step: int, speeds: Sequence[float]) -> None:
         self._emit(f"speeds change at step {step}: " + ",".join(f"{s:g}" for s in speeds))
 
-    def table(self, stats: Sequence[WorkerStats], declared: Sequence[float], first_step: int) -> None:
+    def table(self, stats: Sequence[WorkerStats], declared: Sequence[float] | None, first_step: int) -> None:
         self._emit(f"per worker, steps {first_step}+ (last half of the run):")
         self._emit(f"{'rank':>4} {'declared':>8} {'batch':>7} {'compute ms':>10} {'wait ms':>8} {'samples/s':>10}")
         for s in stats:
-            self._emit(f"{s.rank:>4} {declared[s.rank]:>8g} {s.mean_batch:>7.1f} {_ms(s.mean_compute_s):>10} "
+            speed = f"{declared[s.rank]:g}" if declared else "varied"
+            self._emit(f"{s.rank:>4} {speed:>8} {s.mean_batch:>7.1f} {_ms(s.mean_compute_s):>10} "
                        f"{_ms(s.mean_wait_s):>8} {s.speed:>10.0f}")

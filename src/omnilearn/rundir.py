@@ -28,8 +28,8 @@ def default_out() -> Path:
     return out
 
 
-def prepare(out: str | None, overwrite: bool) -> Path:
-    """Check and create the run directory before anything is written to it."""
+def prepare(out: str | None, overwrite: bool, config_toml: str) -> Path:
+    """Check and create the run directory, then write ``config.toml`` into it."""
     path = default_out() if out is None else Path(out)
     if path.exists() and not path.is_dir():
         raise RunDirError(f"--out {str(path)!r} is a file, not a directory; choose another --out")
@@ -41,8 +41,9 @@ def prepare(out: str | None, overwrite: bool) -> Path:
         )
     try:
         path.mkdir(parents=True, exist_ok=True)
-        for f in previous:
+        for f in [*previous, *(p.name for p in path.glob("error-rank*.log"))]:
             (path / f).unlink()
+        (path / "config.toml").write_text(config_toml, encoding="utf-8")
     except OSError as e:
         raise RunDirError(f"cannot use --out {str(path)!r}: {e.strerror}") from None
     return path

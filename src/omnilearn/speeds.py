@@ -14,14 +14,10 @@ of the run; a TOML file lists changes::
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from omnilearn.tomlfile import read_toml
 
 BSP_LEVELS: dict[str, tuple[float, ...]] = {
     "HL1": (12, 12, 12, 12),
@@ -115,13 +111,7 @@ def load_schedule(
     path: str, workers: int, steps_per_epoch: int, levels: dict[str, tuple[float, ...]] = BSP_LEVELS
 ) -> SpeedSchedule:
     """Read a TOML schedule of ``[[change]]`` tables (``at_step`` or ``at_epoch``, ``speeds``)."""
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as e:
-        raise SpeedError(f"cannot read speed schedule {path!r}: {e.strerror}; give a readable TOML file or 'paper'") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SpeedError(f"speed schedule {path!r} is not valid TOML: {e}") from None
+    doc = read_toml(path, "speed schedule", SpeedError)
     changes = doc.get("change")
     if not isinstance(changes, list) or not changes:
         raise SpeedError(f"speed schedule {path!r} has no [[change]] tables; see `omnilearn train --help`")
@@ -140,9 +130,10 @@ def load_schedule(
 def _change_point(c: dict, path: str, workers: int, spe: int, levels: dict) -> tuple[int, tuple[float, ...]]:
     if not isinstance(c, dict) or "speeds" not in c or ("at_step" in c) == ("at_epoch" in c):
         raise SpeedError(f"each [[change]] in {path!r} needs speeds and exactly one of at_step, at_epoch")
-    at = c["at_step"] if "at_step" in c else c["at_epoch"] * spe
+    at = c["at_step"] if "at_step" in c else c["at_epoch"]
     if not isinstance(at, int) or isinstance(at, bool) or at < 0:
         raise SpeedError(f"change point {at!r} in {path!r} must be a non-negative integer")
+    at = at if "at_step" in c else at * spe
     raw = c["speeds"]
     if isinstance(raw, str):
         return at, parse_speeds(raw, workers, levels)

@@ -24,8 +24,7 @@ class Telemetry:
         self.rows: list[StepRow] = []
         self.train_loss: dict[int, float] = {}
         self.last_eval: dict = {}
-        self.last_interval: list[list[StepRow]] = []
-        self._speeds: tuple[float, ...] | None = None
+        self.speed_changes: list[tuple[int, tuple[float, ...]]] = []
         self.decisions = 0
 
     def _write(self, record: dict) -> None:
@@ -33,9 +32,9 @@ class Telemetry:
             self.log.write(record)
 
     def speeds(self, step: int, speeds: tuple[float, ...]) -> None:
-        if speeds == self._speeds:
+        if self.speed_changes and speeds == self.speed_changes[-1][1]:
             return
-        self._speeds = speeds
+        self.speed_changes.append((step, speeds))
         self._write({"event": "speeds", "step": step, "speeds": list(speeds)})
         if step > 0:
             self.console.speeds(step, speeds)
@@ -53,11 +52,11 @@ class Telemetry:
                 self.train_loss[step] = self.train_loss.get(step, 0.0) + loss * batch / self.cfg.global_batch
         self.rows.extend(new_rows)
         steps = by_step(new_rows)
-        self.last_interval = list(steps.values())
         applied = decision.changed and effective < self.run.total_steps
+        new = decision.new if applied else decision.old
         self._write({"event": "decision", "step": decision.step, "effective_step": effective if applied else None,
-                     "old": list(decision.old), "new": list(decision.new), "times_s": list(decision.times_s),
-                     "changed": applied, "reason": decision.reason})
+                     "old": list(decision.old), "new": list(new), "proposed": list(decision.new),
+                     "times_s": list(decision.times_s), "changed": applied, "reason": decision.reason})
         self._progress(decision, steps)
         if applied:
             self.decisions += 1
@@ -83,11 +82,11 @@ class Telemetry:
         summary = self.summary(wall_s)
         if self.run_dir is not None:
             write_json(self.run_dir / "summary.json", summary)
-            torch.save(model.state_dict(), self.run_dir / "model.pt")
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
         if self.log is not None:
             self.log.close()
         first = summary["stats_from_step"]
-        self.console.table(worker_stats(self.rows, first), self._speeds or self.cfg.declared_speeds, first)
+        self.console.table(worker_stats(self.rows, first), summary["declared_speeds"], first)
         self.console.info(
             f"balance efficiency {summary['balance_efficiency']:.3f} (ideal step {summary['ideal_step_s'] * 1e3:.1f} ms, "
             f"measured {summary['mean_step_s'] * 1e3:.1f} ms) | {summary['samples_per_s']:.0f} samples/s | "
@@ -101,8 +100,9 @@ class Telemetry:
         steps = self.run.total_steps
         first = steps // 2
         stats = worker_stats(self.rows, first)
-        last = {r: fmean(x.compute_s for x in rows) for r, rows in _per_rank(self.last_interval).items()}
+        last = {s.rank: s.mean_compute_s for s in worker_stats(self.rows, steps - self.cfg.control_interval)}
         half = [v for s, v in by_step(self.rows).items() if s >= first]
+        declared = self.speed_changes[-1][1] if self.speed_changes[-1][0] <= first else None
         return {
             "steps": steps, "wall_s": wall_s, "samples_per_s": steps * self.cfg.global_batch / wall_s,
             "final_train_loss": self.train_loss[steps - 1], "test_accuracy": self.last_eval.get("test_accuracy"),
@@ -111,20 +111,15 @@ class Telemetry:
             "balance_efficiency": balance_efficiency(self.rows, first),
             "ideal_step_s": fmean(ideal_step_s(v) for v in half),
             "mean_step_s": fmean(measured_step_s(v) for v in half),
+            "declared_speeds": list(declared) if declared else None,  # in force over the last half; None when a schedule changed them there
+            "speed_changes": [{"step": s, "speeds": list(v)} for s, v in self.speed_changes],
             "last_interval_compute_s": [last[r] for r in sorted(last)],
             "last_interval_compute_spread": max(last.values()) / min(last.values()) - 1,
             "workers": [
-                {"rank": s.rank, "declared_speed": (self._speeds or self.cfg.declared_speeds)[s.rank], "mean_batch": s.mean_batch,
+                {"rank": s.rank, "declared_speed": declared[s.rank] if declared else None, "mean_batch": s.mean_batch,
                  "mean_compute_s": s.mean_compute_s, "mean_wait_s": s.mean_wait_s, "speed": s.speed}
                 for s in stats
             ],
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 
-
-def _per_rank(steps: list[list[StepRow]]) -> dict[int, list[StepRow]]:
-    out: dict[int, list[StepRow]] = {}
-    for rows in steps:
-        for r in rows:
-            out.setdefault(r.rank, []).append(r)
-    return out

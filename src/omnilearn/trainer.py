@@ -38,6 +38,7 @@ FIELDS = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "
 class BSPTrainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) -> None:
         self.cfg, self.ctx = cfg, ctx
+        self._check_same_config()  # before any other collective (DDP's broadcast included)
         splits = data.load(cfg.dataset)
         self.test = splits.test
         self.run = resolve(cfg, len(splits.train))
@@ -62,7 +63,6 @@ class BSPTrainer:
         self.window: list[list[float]] = []  # this rank's rows of the current interval
         self.history: list[list[tuple[int, float]]] = [[] for _ in range(ctx.world_size)]  # since last change
         self.telemetry = Telemetry(cfg, self.run, run_dir) if ctx.is_main else None
-        self._check_same_config()
 
     def _check_same_config(self) -> None:
         bad = same_everywhere(self.ctx, zlib.crc32(dump_toml(self.cfg).encode()))

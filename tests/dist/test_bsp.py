@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-from omnilearn.config import tomllib
+from omnilearn.tomlfile import loads as toml_loads
 from pathlib import Path
 
 import pytest
@@ -50,7 +50,7 @@ def test_run_directory_holds_config_metrics_summary_and_model(tmp_path):
     out = tmp_path / "run"
     summary = train(out, "--workers", "2", "--speeds", "2,1", "--max-steps", "24", "--control-interval", "8",
                     "--global-batch", "128")
-    cfg = tomllib.loads((out / "config.toml").read_text())["train"]
+    cfg = toml_loads((out / "config.toml").read_text())["train"]
     assert cfg["workers"] == 2 and cfg["speeds"] == "2,1" and cfg["global_batch"] == 128
     steps = read_metrics(out, "step")
     assert len(steps) == 24 * 2

@@ -77,3 +77,10 @@ def test_console_script_prints_no_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "omnilearn: error: --workers -2 must be positive"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is present here")
+def test_cuda_without_cuda_is_refused_up_front(tmp_path, capsys):
+    assert main(["train", "--device", "cuda", "--out", str(tmp_path / "o")]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

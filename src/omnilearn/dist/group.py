@@ -32,7 +32,7 @@ class DistContext:
     def synchronize(self) -> None:
         """Wait for queued device work, so host clocks measure it (CUDA only)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # all streams: compute and NCCL's
 
 
 def launched_by_torchrun() -> bool:
@@ -43,13 +43,33 @@ def torchrun_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def pick_device(preference: str, local_rank: int) -> torch.device:
-    """``auto``: this rank's GPU when CUDA is present, else the CPU."""
-    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def device_problem(preference: str, local_world_size: int) -> str | None:
+    """Why ``preference`` cannot be honoured for this many workers per host, or None."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if preference == "cuda" and gpus == 0:
+        return "--device cuda was asked for but CUDA is not available here; use --device cpu or auto"
+    if preference == "cuda" and local_world_size > gpus:
+        return (f"--device cuda needs one GPU per worker: {local_world_size} workers on this host but {gpus} GPUs; "
+                f"use --workers {gpus} or --device cpu")
+    return None
+
+
+def pick_device(preference: str, local_rank: int, local_world_size: int) -> torch.device:
+    """``auto``: this rank's own GPU when every local worker can have one, else the CPU."""
+    problem = device_problem(preference, local_world_size)
+    if problem:
+        raise RuntimeError(problem)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if preference == "cpu" or (preference == "auto" and local_world_size > gpus):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but CUDA is not available; use --device cpu or auto")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cuda", local_rank)
 
 
 def init(
@@ -62,13 +82,13 @@ def init(
     init_method: str = "env://",
 ) -> DistContext:
     """Join the process group and pin this process to its device and CPU share."""
-    device = pick_device(device_preference, local_rank)
+    device = pick_device(device_preference, local_rank, local_world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         # Workers share the host's cores: no oversubscription from intra-op threads.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        torch.set_num_threads(max(1, usable_cpus() // local_world_size))
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
@@ -85,6 +105,10 @@ def init_from_torchrun(device_preference: str, timeout_s: float) -> DistContext:
         device_preference,
         timeout_s,
     )
+
+
+def barrier() -> None:
+    dist.barrier()
 
 
 def destroy() -> None:

@@ -51,7 +51,8 @@ class StepClock:
 
     def local_grads_ready(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # The compute stream only: NCCL's stream holds earlier buckets' all-reduces, which wait for peers.
+            torch.cuda.current_stream(self.device).synchronize()
         now = time.perf_counter()
         if self.slowdown > 1.0:
             self.delay_s = max(0.0, self.slowdown * self.native_s(now) - (now - self.start_s))
