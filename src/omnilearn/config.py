@@ -49,7 +49,7 @@ class TrainConfig:
     deadband: float = 0.05
     min_batch: int = 8
     max_batch: int | None = None  # None: the global batch
-    control_interval: int = 20
+    control_interval: int = 15
     out: str | None = None  # None: runs/<timestamp>
     overwrite: bool = False
     device: str = "auto"
