@@ -1,4 +1,4 @@
-"""``omnilearn`` command line: ``omnilearn train [flags]``.
+"""``omnilearn`` command line: ``omnilearn train|bench|report [flags]``.
 
 Examples::
 
@@ -6,6 +6,8 @@ Examples::
     omnilearn train --workers 3 --speeds 4,2,1 --max-steps 120
     omnilearn train --controller uniform --speeds HL8 # the plain data-parallel baseline
     torchrun --standalone --nproc-per-node 2 -m omnilearn train --speeds 2,1
+    omnilearn bench --quick                           # uniform vs static vs omnilearn per HL
+    omnilearn report runs/<timestamp>                 # PNG plots of a run or a bench
 
 Settings come from defaults, then ``--config FILE.toml``, then flags. Bad input
 ends with one ``omnilearn: error: ...`` line and exit status 2.
@@ -16,11 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from omnilearn import __version__
 from omnilearn.config import DEVICES, EMULATORS, ConfigError, TrainConfig, build, dump_toml, load_toml
 from omnilearn.controller import CONTROLLERS
+from omnilearn.dist.group import device_problem, launched_by_torchrun, torchrun_world_size
 from omnilearn.rundir import RunDirError, prepare
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -31,9 +35,8 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
-def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train with heterogeneity-aware BSP", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``train`` and ``bench``: the workload and the controller's knobs."""
     d = TrainConfig.__dataclass_fields__
     add = p.add_argument
     add("--config", help="TOML file with settings (flags override it)")
@@ -42,23 +45,57 @@ def _train_parser(sub) -> None:
     add("--dataset", help="mnist1d (default, generated locally) or synthetic")
     add("--global-batch", type=int, help=f"samples per step over all workers (default {d['global_batch'].default})")
     add("--epochs", type=int, help=f"passes over the training set (default {d['epochs'].default})")
-    add("--max-steps", type=int, help="stop after this many steps (default: all epochs)")
     add("--lr", type=float, help=f"SGD learning rate, cosine-decayed (default {d['lr'].default})")
     add("--momentum", type=float, help=f"SGD momentum (default {d['momentum'].default})")
     add("--seed", type=int, help="seed for model init and data order (default 0)")
-    add("--speeds", help="relative worker speeds, e.g. 4,2,1, or a level HL1/HL2/HL4/HL8 (default HL8 for 4 workers)")
-    add("--speed-schedule", help="'paper' (HL1>2>4>8>8>4>2>1) or a TOML file of [[change]] at_step/at_epoch + speeds")
-    add("--emulator", choices=EMULATORS, help="how slower workers are emulated: delay (default) or none")
-    add("--controller", choices=CONTROLLERS, help="omnilearn (default, dynamic), static or uniform")
+    add("--emulator", choices=EMULATORS, help="how slower workers are emulated: delay (default, portable), "
+        "cgroup (CPU quota), affinity (CPU sets), docker (docker update per container), none")
+    add("--containers", help="with --emulator docker: the workers' container names, comma-separated")
+    add("--throttle-cpus", type=float, help="with cgroup/docker: CPUs of the fastest worker (default: cores / workers)")
     add("--deadband", type=float, help="skip changes smaller than this fraction (default 0.05)")
     add("--min-batch", type=int, help=f"smallest per-worker batch (default {d['min_batch'].default})")
     add("--max-batch", type=int, help="largest per-worker batch (default: the global batch)")
     add("--control-interval", type=int, help=f"steps between controller decisions (default {d['control_interval'].default})")
-    add("--out", help="run directory (default runs/<timestamp>)")
     add("--overwrite", action="store_true", help="replace a previous run in --out")
     add("--device", choices=DEVICES, help="auto (default: CUDA if present), cpu or cuda")
     add("--loader-workers", type=int, help="DataLoader worker processes per worker (default 0)")
     add("--timeout-s", type=float, help="seconds before a collective waiting on a dead peer fails (default 300)")
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train with heterogeneity-aware BSP", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
+    _workload_args(p)
+    add = p.add_argument
+    add("--max-steps", type=int, help="stop after this many steps (default: all epochs)")
+    add("--speeds", help="relative worker speeds, e.g. 4,2,1, or a level HL1/HL2/HL4/HL8 (default HL8 for 4 workers)")
+    add("--speed-schedule", help="'paper' (HL1>2>4>8>8>4>2>1) or a TOML file of [[change]] at_step/at_epoch + speeds")
+    add("--controller", choices=CONTROLLERS, help="omnilearn (default, dynamic), static or uniform")
+    add("--out", help="run directory (default runs/<timestamp>)")
+    add("--no-plots", dest="plots", action="store_false", help="do not render PNG plots at the end")
+
+
+def _bench_parser(sub) -> None:
+    from omnilearn.bench import SETTINGS
+
+    p = sub.add_parser("bench", help="uniform vs static vs omnilearn (and plain DDP at HL1), side by side",
+                       argument_default=argparse.SUPPRESS)
+    _workload_args(p)
+    add = p.add_argument
+    add("--speeds", help=f"settings to run, comma-separated (default {','.join(SETTINGS)})")
+    add("--quick", action="store_true", help="fewer steps per arm: a few minutes on 2 cores")
+    add("--repeats", type=int, help="run every arm this many times, rotating the order (default 1)")
+    add("--steps", type=int, help="steps per arm at a fixed setting (default 300, --quick 90)")
+    add("--block-steps", type=int, help="steps per block of the 8-block paper routine (default 60, --quick 40)")
+    add("--target-accuracy", type=float, help="also report time to this test accuracy (0-1) per arm")
+    add("--out", help="bench directory (default runs/bench-<timestamp>)")
+    add("--no-plots", dest="plots", action="store_false", help="do not render PNG plots at the end")
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="render PNG plots of a train run or a bench directory")
+    p.add_argument("path", help="a run directory (metrics.jsonl) or a bench directory (bench.json)")
+    p.add_argument("--tensorboard", metavar="LOGDIR", help="also write TensorBoard scalars of a run here")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,11 +103,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"omnilearn {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _train_parser(sub)
+    _bench_parser(sub)
+    _report_parser(sub)
     return p
 
 
-def _config(args: argparse.Namespace) -> TrainConfig:
-    values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+NOT_CONFIG = ("command", "config", "plots", "quick", "repeats", "target_accuracy", "path", "tensorboard", "steps",
+              "block_steps")
+
+
+def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
+    values = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
+    values.update(overrides)
     file_values = load_toml(args.config) if getattr(args, "config", None) else {}
     merged = {**file_values, **values}
     if merged.get("speeds") is not None and merged.get("speed_schedule") is not None:
@@ -78,37 +122,100 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     schedule = merged.get("speed_schedule")
     if isinstance(schedule, str) and schedule != "paper":
         values["speed_schedule"] = os.path.abspath(schedule)  # config.toml repeats the run from anywhere
-    from omnilearn.dist.group import launched_by_torchrun, torchrun_world_size
-
     if launched_by_torchrun():
         world = torchrun_world_size()
         given = values.get("workers", file_values.get("workers"))
         if given is not None and given != world:
             raise ConfigError(f"--workers {given} does not match torchrun's WORLD_SIZE {world}; drop --workers")
         values["workers"] = world
-    return build(file_values, values)
+    cfg = build(file_values, values)
+    problem = device_problem(cfg.device, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers)))
+    if problem:
+        raise ConfigError(problem)
+    return cfg
+
+
+def _plots(path: Path) -> None:
+    from omnilearn.report import ReportError, render
+
+    try:
+        files = render(path)
+    except ReportError as e:  # the run itself succeeded; say why there is no picture
+        print(f"omnilearn: plots skipped: {e}", file=sys.stderr)
+        return
+    print(f"plots: {', '.join(str(f) for f in files)}")
 
 
 def train(args: argparse.Namespace) -> int:
     from omnilearn import data, launch
-    from omnilearn.dist.group import device_problem, launched_by_torchrun
     from omnilearn.runplan import resolve
 
     cfg = _config(args)
-    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
-    problem = device_problem(cfg.device, local_workers)
-    if problem:
-        raise ConfigError(problem)
     resolve(cfg, len(data.load(cfg.dataset).train))  # fail fast, before any process starts
     if launched_by_torchrun():
-        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if os.environ["RANK"] == "0" else None
-        launch.run_torchrun(cfg, run_dir)
+        main_rank = os.environ["RANK"] == "0"
+        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if main_rank else Path(cfg.out or ".")
+        launch.run_torchrun([launch.Job(cfg, run_dir)], run_dir if main_rank else None)
+        if main_rank and getattr(args, "plots", True):
+            _plots(run_dir)
         return 0
     run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
     print(f"omnilearn: {cfg.workers} workers, speeds {cfg.speeds}, controller {cfg.controller}, "
           f"global batch {cfg.global_batch}, run directory {run_dir}", flush=True)
-    launch.run_local(cfg, run_dir)
+    launch.run_local([launch.Job(cfg, run_dir)], run_dir)
+    if getattr(args, "plots", True):
+        _plots(run_dir)
     return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    import time
+
+    from omnilearn import bench as bench_mod
+    from omnilearn.benchstats import markdown_table
+
+    if launched_by_torchrun():
+        raise ConfigError("omnilearn bench launches its own local workers; run it without torchrun")
+    settings = bench_mod.parse_settings(getattr(args, "speeds", ",".join(bench_mod.SETTINGS)))
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats} must be at least 1")
+    target = getattr(args, "target_accuracy", None)
+    if target is not None and not 0 < target <= 1:
+        raise ConfigError(f"--target-accuracy {target} must be a fraction in (0, 1], e.g. 0.9")
+    base = _config(args, speeds=None, out=None, quiet=True)
+    for s in settings:  # a level needs 4 workers; fail before anything starts
+        _config(args, speeds=None if s == "paper" else s, speed_schedule="paper" if s == "paper" else None)
+    out = Path(getattr(args, "out", None) or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S"))
+    mode = "quick" if getattr(args, "quick", False) else "full"
+    steps = getattr(args, "steps", bench_mod.STEPS[mode])
+    block = getattr(args, "block_steps", bench_mod.PAPER_BLOCK_STEPS[mode])
+    for flag, value in (("--steps", steps), ("--block-steps", block)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1")
+    result = bench_mod.run(base, settings, (mode, steps, block), repeats, target, out, getattr(args, "overwrite", False))
+    print(markdown_table(result["results"]))
+    print(f"bench: {out / 'bench.json'}")
+    if getattr(args, "plots", True):
+        for path in [out, *sorted({Path(r["run_dir"]) for r in result["results"] if r["arm"] != "ddp"})]:
+            _plots(path)
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    from omnilearn.report import ReportError, render, write_tensorboard
+
+    try:
+        files = render(Path(args.path))
+        if args.tensorboard:
+            write_tensorboard(Path(args.path), Path(args.tensorboard))
+    except ReportError as e:
+        raise ConfigError(str(e)) from None
+    print("\n".join(str(f) for f in files))
+    return 0
+
+
+COMMANDS = {"train": train, "bench": bench, "report": report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = parser().parse_args(argv)
-        return train(args)
+        return COMMANDS[args.command](args)
     except (ConfigError, RunDirError) as e:
         print(f"omnilearn: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-EMULATORS = ("delay", "none")
+EMULATORS = ("delay", "cgroup", "affinity", "docker", "none")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -45,6 +45,8 @@ class TrainConfig:
     speeds: str | None = None  # None: HL8 for 4 workers, equal speeds otherwise
     speed_schedule: str | None = None  # "paper" or a TOML file
     emulator: str = "delay"
+    containers: str | None = None  # --emulator docker: one container name per worker, comma-separated
+    throttle_cpus: float | None = None  # cgroup/docker: CPUs of the fastest worker (None: cores / workers)
     controller: str = "omnilearn"
     deadband: float = 0.05
     min_batch: int = 8
@@ -55,6 +57,7 @@ class TrainConfig:
     device: str = "auto"
     loader_workers: int = 0
     timeout_s: float = 300.0
+    quiet: bool = False  # one line per run instead of live progress (used by bench)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -71,6 +74,11 @@ class TrainConfig:
             raise ConfigError(f"--momentum {self.momentum} must be in [0, 1)")
         if not 0 <= self.deadband < 1:
             raise ConfigError(f"--deadband {self.deadband} must be in [0, 1), e.g. 0.05")
+        if self.emulator == "docker" and len((self.containers or "").split(",")) != self.workers:
+            raise ConfigError(f"--emulator docker needs --containers with one name per worker ({self.workers}), "
+                              f"got {self.containers!r}")
+        if self.throttle_cpus is not None and self.throttle_cpus <= 0:
+            raise ConfigError(f"--throttle-cpus {self.throttle_cpus:g} must be positive")
         if self.loader_workers < 0:
             raise ConfigError(f"--loader-workers {self.loader_workers} must be 0 or more")
         for name, allowed in (("model", MODELS), ("dataset", DATASETS), ("controller", CONTROLLERS),

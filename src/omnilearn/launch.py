@@ -10,12 +10,14 @@ rank that failed first: later failures are usually peers losing it.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch.multiprocessing as mp
 
@@ -27,28 +29,48 @@ class WorkerFailed(RuntimeError):
     """A worker process died; the message names its rank and the cause."""
 
 
-def _run_rank(join: Callable[[], group.DistContext], rank: int, cfg: TrainConfig, run_dir: Path | None) -> dict | None:
+@dataclass(frozen=True)
+class Job:
+    """One training run in a launch: ``kind`` is ``omnilearn`` or ``ddp`` (the plain-DDP baseline)."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    kind: str = "omnilearn"
+
+
+def _run_job(job: Job, ctx: group.DistContext) -> dict | None:
+    run_dir = job.run_dir if ctx.is_main else None
+    if job.kind == "ddp":
+        from omnilearn.plainddp import train_plain_ddp
+
+        return train_plain_ddp(job.cfg, ctx, run_dir)
     from omnilearn.trainer import BSPTrainer
 
+    return BSPTrainer(job.cfg, ctx, run_dir).fit()
+
+
+def _run_rank(join: Callable[[], group.DistContext], rank: int, jobs: Sequence[Job], log_dir: Path | None) -> None:
     try:
         ctx = join()
-        summary = BSPTrainer(cfg, ctx, run_dir if ctx.is_main else None).fit()
-        group.barrier()  # leave together: rank 0 may still be writing the run directory
-        return summary
+        for job in jobs:
+            _run_job(job, ctx)
+            group.barrier()  # move on together: rank 0 may still be writing the run directory
     except BaseException as e:
-        if run_dir is not None:
+        if log_dir is not None:
             cause = traceback.format_exception_only(type(e), e)[-1].strip()
-            (run_dir / f"error-rank{rank}.log").write_text(f"{time.time():.6f} {cause}\n{traceback.format_exc()}")
+            (log_dir / f"error-rank{rank}.log").write_text(f"{time.time():.6f} {cause}\n{traceback.format_exc()}")
         raise
     finally:
         group.destroy()
 
 
-def _spawned(local_rank: int, cfg: TrainConfig, run_dir: Path, init_method: str) -> None:
+def _spawned(local_rank: int, jobs: Sequence[Job], log_dir: Path, init_method: str) -> None:
+    cfg = jobs[0].cfg
+
     def join() -> group.DistContext:
         return group.init(local_rank, cfg.workers, local_rank, cfg.workers, cfg.device, cfg.timeout_s, init_method)
 
-    _run_rank(join, local_rank, cfg, run_dir)
+    _run_rank(join, local_rank, jobs, log_dir)
 
 
 def first_failure(run_dir: Path) -> tuple[int, str] | None:
@@ -60,26 +82,31 @@ def first_failure(run_dir: Path) -> tuple[int, str] | None:
     return min(found)[1:] if found else None
 
 
-def run_local(cfg: TrainConfig, run_dir: Path) -> None:
+def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
+    """Spawn ``jobs[0].cfg.workers`` local workers once and run every job in them, in order."""
     store = tempfile.mkdtemp(prefix="omnilearn-store-")
+    os.environ["OMNILEARN_RUN_ID"] = run = f"{os.getpid()}-{int(time.time())}"  # inherited by the workers
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # we report failures ourselves
     try:
         mp.start_processes(
-            _spawned, args=(cfg, run_dir, f"file://{store}/store"), nprocs=cfg.workers, join=True,
+            _spawned, args=(list(jobs), log_dir, f"file://{store}/store"), nprocs=jobs[0].cfg.workers, join=True,
             start_method="spawn",
         )
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        first = first_failure(run_dir)
+        first = first_failure(log_dir)
         if first is None:
             raise WorkerFailed(f"worker rank {e.error_index} died ({e}); see the messages above") from None
         rank, cause = first
-        raise WorkerFailed(f"worker rank {rank} failed: {cause} (traceback: {run_dir}/error-rank{rank}.log)") from None
+        raise WorkerFailed(f"worker rank {rank} failed: {cause} (traceback: {log_dir}/error-rank{rank}.log)") from None
     finally:
         shutil.rmtree(store, ignore_errors=True)
+        if any(job.cfg.emulator == "cgroup" for job in jobs):
+            from omnilearn.throttle import cleanup_run
+
+            cleanup_run(run)  # also after a crash or Ctrl-C: no cgroup outlives the run
 
 
-def run_torchrun(cfg: TrainConfig, run_dir: Path | None) -> dict | None:
-    """This process is one rank of a torchrun job; ``run_dir`` matters on rank 0 only."""
-    import os
-
-    return _run_rank(lambda: group.init_from_torchrun(cfg.device, cfg.timeout_s), int(os.environ["RANK"]), cfg, run_dir)
+def run_torchrun(jobs: Sequence[Job], log_dir: Path | None) -> None:
+    """This process is one rank of a torchrun job; the run directories matter on rank 0 only."""
+    cfg = jobs[0].cfg
+    _run_rank(lambda: group.init_from_torchrun(cfg.device, cfg.timeout_s), int(os.environ["RANK"]), jobs, log_dir)

@@ -22,12 +22,15 @@ def _batches(batches: Sequence[int]) -> str:
 
 
 class Console:
-    def __init__(self, stream: TextIO | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None, quiet: bool = False) -> None:
         self.stream = stream or sys.stdout
         self.live = self.stream.isatty()
+        self.quiet = quiet  # only info() lines
         self._open_line = False
 
     def _emit(self, text: str, transient: bool = False) -> None:
+        if self.quiet:
+            return
         if self.live and transient:
             self.stream.write("\r\033[K" + text)
             self._open_line = True
@@ -39,7 +42,11 @@ class Console:
         self.stream.flush()
 
     def info(self, text: str) -> None:
-        self._emit(text)
+        if self._open_line:
+            self.stream.write("\r\033[K")
+            self._open_line = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def progress(self, step: int, total: int, epoch: int, loss: float, batches: Sequence[int],
                  step_s: float, ideal_s: float, max_wait_s: float) -> None:

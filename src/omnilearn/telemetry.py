@@ -20,7 +20,7 @@ class Telemetry:
     def __init__(self, cfg: TrainConfig, run: RunPlan, run_dir: Path | None) -> None:
         self.cfg, self.run, self.run_dir = cfg, run, run_dir
         self.log = MetricsLog(run_dir) if run_dir is not None else None
-        self.console = Console()
+        self.console = Console(quiet=cfg.quiet)
         self.rows: list[StepRow] = []
         self.train_loss: dict[int, float] = {}
         self.last_eval: dict = {}
@@ -78,8 +78,9 @@ class Telemetry:
         self.last_eval = {"epoch": epoch, "step": step, "wall_s": wall_s, "test_loss": loss, "test_accuracy": accuracy}
         self._write({"event": "eval", **self.last_eval})
 
-    def finish(self, wall_s: float, model: torch.nn.Module) -> dict:
-        summary = self.summary(wall_s)
+    def finish(self, wall_s: float, train_s: float, model: torch.nn.Module) -> dict:
+        """``train_s``: the wall time of the training loop without evaluation."""
+        summary = self.summary(wall_s, train_s)
         if self.run_dir is not None:
             write_json(self.run_dir / "summary.json", summary)
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
@@ -87,16 +88,17 @@ class Telemetry:
             self.log.close()
         first = summary["stats_from_step"]
         self.console.table(worker_stats(self.rows, first), summary["declared_speeds"], first)
+        label = f"[{self.cfg.speed_schedule or self.cfg.speeds} {self.cfg.controller}] " if self.cfg.quiet else ""
         self.console.info(
-            f"balance efficiency {summary['balance_efficiency']:.3f} (ideal step {summary['ideal_step_s'] * 1e3:.1f} ms, "
+            f"{label}balance efficiency {summary['balance_efficiency']:.3f} (ideal step {summary['ideal_step_s'] * 1e3:.1f} ms, "
             f"measured {summary['mean_step_s'] * 1e3:.1f} ms) | {summary['samples_per_s']:.0f} samples/s | "
             f"test accuracy {summary['test_accuracy']:.2%} | {summary['steps']} steps in {wall_s:.1f} s"
         )
-        if self.run_dir is not None:
+        if self.run_dir is not None and not self.cfg.quiet:
             self.console.info(f"run directory: {self.run_dir}")
         return summary
 
-    def summary(self, wall_s: float) -> dict:
+    def summary(self, wall_s: float, train_s: float) -> dict:
         steps = self.run.total_steps
         first = steps // 2
         stats = worker_stats(self.rows, first)
@@ -104,7 +106,8 @@ class Telemetry:
         half = [v for s, v in by_step(self.rows).items() if s >= first]
         declared = self.speed_changes[-1][1] if self.speed_changes[-1][0] <= first else None
         return {
-            "steps": steps, "wall_s": wall_s, "samples_per_s": steps * self.cfg.global_batch / wall_s,
+            "steps": steps, "wall_s": wall_s, "train_s": train_s, "wall_step_s": train_s / steps,
+            "samples_per_s": steps * self.cfg.global_batch / train_s,
             "final_train_loss": self.train_loss[steps - 1], "test_accuracy": self.last_eval.get("test_accuracy"),
             "test_loss": self.last_eval.get("test_loss"), "controller": self.cfg.controller,
             "rebalances": self.decisions, "stats_from_step": first,

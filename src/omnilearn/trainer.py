@@ -10,6 +10,7 @@ future step, and rank 0 writes the rows and prints progress.
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from pathlib import Path
@@ -63,6 +64,8 @@ class BSPTrainer:
         self.window: list[list[float]] = []  # this rank's rows of the current interval
         self.history: list[list[tuple[int, float]]] = [[] for _ in range(ctx.world_size)]  # since last change
         self.telemetry = Telemetry(cfg, self.run, run_dir) if ctx.is_main else None
+        self.throttle = _throttle(cfg, ctx)
+        self._applied_speeds: tuple[float, ...] | None = None
 
     def _check_same_config(self) -> None:
         bad = same_everywhere(self.ctx, zlib.crc32(dump_toml(self.cfg).encode()))
@@ -70,7 +73,14 @@ class BSPTrainer:
             raise RuntimeError(f"ranks {bad} were started with a different config than rank 0; launch all ranks alike")
 
     def fit(self) -> dict | None:
-        step, start = 0, time.perf_counter()
+        try:
+            return self._fit()
+        finally:
+            if self.throttle is not None:
+                self.throttle.close()
+
+    def _fit(self) -> dict | None:
+        step, start, eval_s = 0, time.perf_counter(), 0.0
         for epoch in range(self.run.epochs):
             self.sampler.set_epoch(epoch)
             batches = iter(self.loader)
@@ -79,18 +89,24 @@ class BSPTrainer:
                 step += 1
                 if step % self.cfg.control_interval == 0 or step == self.run.total_steps:
                     self._end_interval(step - 1)
-            self._evaluate(epoch, step, time.perf_counter() - start)
+            before = time.perf_counter()
+            self._evaluate(epoch, step, before - start - eval_s)
+            eval_s += time.perf_counter() - before
         wall_s = time.perf_counter() - start
         if self.telemetry is None:
             return None
-        return self.telemetry.finish(wall_s, self.ddp.module)
+        return self.telemetry.finish(wall_s, wall_s - eval_s, self.ddp.module)
 
     def _step(self, step: int, batches) -> list[float]:
         plan = self.schedule.at(step)
         speeds = self.run.speeds.at(step)
         slow = slowdown(speeds, self.ctx.rank) if self.cfg.emulator == "delay" else 1.0
-        if self.telemetry is not None:
-            self.telemetry.speeds(step, speeds)
+        if speeds != self._applied_speeds:
+            self._applied_speeds = speeds
+            if self.throttle is not None:
+                self.throttle.apply(speeds)
+            if self.telemetry is not None:
+                self.telemetry.speeds(step, speeds)
         self.clock.begin(plan[self.ctx.rank] / self.cfg.global_batch, slow)
         x, y = next(batches)
         x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
@@ -140,3 +156,19 @@ class BSPTrainer:
         loss_sum, correct, count = sum_across(self.ctx, [loss_sum, correct, float(len(idx))])
         if self.telemetry is not None:
             self.telemetry.evaluation(epoch, step, wall_s, loss_sum / count, correct / count)
+
+
+def run_id() -> str:
+    """Shared by every rank of a launch: names the run's cgroups."""
+    return os.environ.get("OMNILEARN_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "torchrun"
+
+
+def _throttle(cfg: TrainConfig, ctx: DistContext):
+    """The OS-level speed emulator for ``--emulator cgroup|affinity|docker``, else None."""
+    if cfg.emulator not in ("cgroup", "affinity", "docker"):
+        return None
+    from omnilearn.throttle import make_throttle
+
+    containers = tuple(cfg.containers.split(",")) if cfg.containers else ()
+    return make_throttle(cfg.emulator, ctx.rank, ctx.local_rank, ctx.local_world_size, run_id(), containers,
+                         cfg.throttle_cpus)

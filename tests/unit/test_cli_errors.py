@@ -84,3 +84,27 @@ def test_cuda_without_cuda_is_refused_up_front(tmp_path, capsys):
     assert main(["train", "--device", "cuda", "--out", str(tmp_path / "o")]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--speeds", "HL3"], "unknown bench setting 'HL3'"),
+        (["--speeds", "HL1,HL8", "--workers", "3"], "give 4 workers but --workers is 3"),
+        (["--repeats", "0"], "--repeats 0 must be at least 1"),
+        (["--target-accuracy", "2"], "--target-accuracy 2.0 must be a fraction"),
+        (["--steps", "0"], "--steps 0 must be at least 1"),
+        (["--global-batch", "16", "--min-batch", "8"], "smaller than workers x min batch"),
+    ],
+)
+def test_bad_bench_flag_gives_one_line_and_exit_2(tmp_path, capsys, flags, needle):
+    out = tmp_path / "bench"
+    assert main(["bench", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+    assert not out.exists()
+
+
+def test_report_on_a_directory_without_a_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "holds neither metrics.jsonl" in capsys.readouterr().err

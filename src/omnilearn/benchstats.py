@@ -1,0 +1,113 @@
+"""The figures ``omnilearn bench`` reports, computed from per-step metrics. Pure.
+
+Per arm: the mean wall time per step (training loop, evaluation excluded),
+samples/s, ``T*`` and balance efficiency (see :mod:`omnilearn.efficiency`),
+each worker's mean wait, and for a dynamic routine the reaction time to each
+speed change. Across arms of one setting: speed-up over ``uniform`` and the
+ideal speed-up ``uniform step / T*``. Test: ``pytest tests/unit/test_benchstats.py``.
+"""
+
+from __future__ import annotations
+
+from statistics import fmean, median
+from typing import Iterable, Sequence
+
+from omnilearn.efficiency import StepRow, balance_efficiency, by_step, ideal_step_s, measured_step_s, worker_stats
+
+REACTION_WINDOW = 5  # steps in the rolling median that decides "back within 10% of T*"
+
+
+def rows_from_records(records: Iterable[dict]) -> list[StepRow]:
+    return [StepRow(r["step"], r["rank"], r["batch"], r["compute_s"], r["wait_s"], r["step_s"])
+            for r in records if r.get("event") == "step"]
+
+
+def reaction_steps(rows: Sequence[StepRow], change_steps: Sequence[int], end_step: int,
+                   tolerance: float = 0.10, window: int = REACTION_WINDOW) -> list[int | None]:
+    """Steps after each change until the step time is back within ``tolerance`` of T*.
+
+    "Back" means: that step is within tolerance and so is the median of the
+    ``window`` steps from it on (one lucky step does not count). ``None``
+    where it never got there before the next change (or ``end_step``).
+    """
+    steps = by_step(rows)
+    measured = {s: measured_step_s(v) for s, v in steps.items()}
+    ideal = {s: ideal_step_s(v) for s, v in steps.items()}
+    bounds = list(change_steps) + [end_step]
+    out: list[int | None] = []
+    for start, stop in zip(bounds, bounds[1:]):
+        found = None
+        for j in range(start, stop - window + 1):
+            span = [s for s in range(j, j + window) if s in measured]
+            settled = j in measured and measured[j] <= (1 + tolerance) * ideal[j]
+            if settled and median(measured[s] for s in span) <= (1 + tolerance) * median(ideal[s] for s in span):
+                found = j - start
+                break
+        out.append(found)
+    return out
+
+
+def time_to_accuracy(evals: Sequence[dict], target: float | None) -> float | None:
+    """Training time (s) of the first evaluation reaching ``target`` test accuracy."""
+    if target is None:
+        return None
+    hits = [e["wall_s"] for e in evals if e["test_accuracy"] >= target]
+    return min(hits) if hits else None
+
+
+def fidelity_error(rows: Sequence[StepRow], speeds: Sequence[float], first_step: int = 0) -> float:
+    """Largest relative error of the workers' compute ratios against the declared slowdowns.
+
+    Meaningful for equal batches (the ``uniform`` arm): worker i should take
+    ``max(s) / s_i`` times as long as the fastest.
+    """
+    stats = worker_stats(rows, first_step)
+    fastest = max(range(len(speeds)), key=lambda i: speeds[i])
+    base = stats[fastest].mean_compute_s
+    errors = [abs((s.mean_compute_s / base) / (max(speeds) / speeds[s.rank]) - 1) for s in stats]
+    return max(errors)
+
+
+def arm_figures(rows: Sequence[StepRow], global_batch: int, wall_step_s: float, first_step: int) -> dict:
+    """Step-time figures of one arm over the steps ``>= first_step``."""
+    kept = [v for s, v in by_step(rows).items() if s >= first_step]
+    stats = worker_stats(rows, first_step)
+    return {
+        "mean_step_s": wall_step_s,
+        "samples_per_s": global_batch / wall_step_s,
+        "in_step_s": fmean(measured_step_s(v) for v in kept),
+        "ideal_step_s": fmean(ideal_step_s(v) for v in kept),
+        "balance_efficiency": balance_efficiency(rows, first_step),
+        "mean_batch": [s.mean_batch for s in stats],
+        "compute_s_per_worker": [s.mean_compute_s for s in stats],
+        "wait_s_per_worker": [s.mean_wait_s for s in stats],
+    }
+
+
+def add_speedups(results: list[dict]) -> None:
+    """Fill ``speedup`` (uniform step / arm step) and ``ideal_speedup`` (uniform step / T*) in place."""
+    uniform = {r["setting"]: r["mean_step_s"] for r in results if r["arm"] == "uniform"}
+    for r in results:
+        base = uniform.get(r["setting"])
+        r["speedup"] = base / r["mean_step_s"] if base else None
+        r["ideal_speedup"] = base / r["ideal_step_s"] if base and r.get("ideal_step_s") else None
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(results: Sequence[dict]) -> str:
+    head = ("| setting | arm | step ms | samples/s | speed-up | ideal speed-up | balance eff. | "
+            "mean wait ms per worker | reaction steps |")
+    lines = [head, "|" + "---|" * 9]
+    for r in results:
+        wait = "/".join(f"{w * 1e3:.1f}" for w in r.get("wait_s_per_worker") or []) or "–"
+        reaction = r.get("reaction_steps")
+        react = "–" if reaction is None else ",".join("never" if x is None else str(x) for x in reaction)
+        lines.append(
+            f"| {r['setting']} | {r['arm']} | {r['mean_step_s'] * 1e3:.1f} | {r['samples_per_s']:.0f} | "
+            f"{_fmt(r.get('speedup'), '.2f')} | {_fmt(r.get('ideal_speedup'), '.2f')} | "
+            f"{_fmt(r.get('balance_efficiency'), '.3f')} | {wait} | {react} |"
+        )
+    return "\n".join(lines)

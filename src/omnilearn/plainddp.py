@@ -1,0 +1,67 @@
+"""The plain-DDP baseline for ``omnilearn bench``: no OmniLearn code in the training loop.
+
+Same model, data, global batch, optimizer and schedule as an OmniLearn run,
+but the way most PyTorch users write it: ``DistributedSampler``, equal
+batches of ``B / n``, ``DistributedDataParallel`` with its default averaging.
+Only the wall time of the loop is measured (around it, not inside), so the
+bench can compare OmniLearn's per-step overhead at HL1 against it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from omnilearn import data, models
+from omnilearn.config import TrainConfig
+from omnilearn.dist.group import DistContext
+from omnilearn.rundir import write_json
+
+
+def train_plain_ddp(cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) -> dict | None:
+    splits = data.load(cfg.dataset)
+    if cfg.global_batch % ctx.world_size:
+        raise ValueError(f"plain DDP needs --global-batch divisible by {ctx.world_size} workers")
+    total = cfg.max_steps or (len(splits.train) // cfg.global_batch) * cfg.epochs
+    torch.manual_seed(cfg.seed)
+    model = models.build(cfg.model, splits.input_shape, splits.num_classes).to(ctx.device)
+    ddp = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
+    sampler = DistributedSampler(splits.train, ctx.world_size, ctx.rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    loader = DataLoader(splits.train, batch_size=cfg.global_batch // ctx.world_size, sampler=sampler,
+                        drop_last=True, collate_fn=data.keep_batch)
+    step, epoch, start = 0, 0, time.perf_counter()
+    while step < total:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(ddp(x.to(ctx.device)), y.to(ctx.device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            if step == total:
+                break
+        epoch += 1
+    ctx.synchronize()
+    train_s = time.perf_counter() - start
+    if run_dir is None:
+        return None
+    summary = {"controller": "ddp", "steps": total, "train_s": train_s, "wall_step_s": train_s / total,
+               "samples_per_s": total * cfg.global_batch / train_s, "test_accuracy": _accuracy(model, splits.test)}
+    write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+@torch.no_grad()
+def _accuracy(model: torch.nn.Module, test: data.TensorData) -> float:
+    model.eval()
+    device = next(model.parameters()).device
+    logits = model(test.x.to(device))
+    return (logits.argmax(1).cpu() == test.y).float().mean().item()

@@ -1,0 +1,201 @@
+"""Unit tests for the plots of runs and benches (``omnilearn.report``, ``omnilearn.plots``).
+
+Synthetic ``metrics.jsonl`` / ``summary.json`` / ``bench.json`` files are built
+in ``tmp_path``; the rendered files must be real PNGs. The pure helpers
+(rolling median, per-step T*, batch-weighted loss, training time) are checked
+on hand-computed values, and unusable directories raise ``ReportError``
+naming the path.
+
+Run:  cd /work/main && python -m pytest -q tests/unit/test_report.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from omnilearn.efficiency import StepRow
+from omnilearn.report import (
+    ReportError, load_run, render, render_bench, render_run, rolling_median, step_ideal_s, training_time_s,
+    weighted_loss, write_tensorboard,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+RUN_PNGS = ["batches.png", "compute_wait.png", "step_time.png", "loss_accuracy.png"]
+
+
+def step_record(step, rank, batch, speed, wait_s, loss):
+    compute_s = 0.002 + batch / speed
+    return {"event": "step", "step": step, "epoch": step // 10, "rank": rank, "batch": batch, "compute_s": compute_s,
+            "wait_s": wait_s, "step_s": compute_s + wait_s, "loss": loss, "lr": 0.05, "delay_s": 0.0}
+
+
+def synthetic_run(run_dir, n_steps=30, speeds=(4000.0, 2000.0, 1000.0), evals=True, summary=True):
+    """Workers at the given speeds, uniform batches until a rebalance at step 15, a speed change at step 20."""
+    n, batch = len(speeds), [512 // len(speeds)] * len(speeds)
+    batch[0] += 512 - sum(batch)
+    records = [{"event": "speeds", "step": 0, "speeds": list(speeds)}]
+    for step in range(n_steps):
+        if step == 15 and n > 1:
+            records.append({"event": "decision", "step": 14, "effective_step": 15, "old": batch,
+                            "new": [256, 171, 85][:n], "times_s": [0.03] * n, "changed": True})
+            batch = [256, 171, 85][:n]
+        if step == 20:
+            speeds = speeds[::-1]
+            records.append({"event": "speeds", "step": 20, "speeds": list(speeds)})
+        times = [0.002 + b / v for b, v in zip(batch, speeds)]
+        for rank in range(n):
+            records.append(step_record(step, rank, batch[rank], speeds[rank], max(times) - times[rank] + 0.001,
+                                       2.3 - 0.02 * step + 0.01 * rank))
+        if evals and step in (14, n_steps - 1):
+            records.append({"event": "eval", "epoch": step // 10, "step": step + 1, "wall_s": 0.03 * step,
+                            "test_loss": 2.0, "test_accuracy": 0.2 + 0.01 * step})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if summary:
+        (run_dir / "summary.json").write_text(json.dumps({"balance_efficiency": 0.87, "steps": n_steps}))
+    return run_dir
+
+
+def synthetic_bench(bench_dir):
+    results = []
+    for setting, ideal in (("HL1", 1.0), ("HL2", 1.15), ("HL8", 3.0)):
+        for arm, speedup, eff in (("uniform", None, 0.5), ("static", 1.4, 0.7), ("omnilearn", 1.8, 0.9),
+                                  ("ddp", 0.95, None)):
+            results.append({"setting": setting, "arm": arm, "speedup": speedup if setting != "HL1" else 1.0,
+                            "ideal_speedup": ideal, "balance_efficiency": eff, "mean_step_s": 0.04})
+    results.append({"setting": "HL4", "arm": "omnilearn", "speedup": None, "ideal_speedup": None,
+                    "balance_efficiency": None, "mean_step_s": 0.04})
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    (bench_dir / "bench.json").write_text(json.dumps({"settings": ["HL1", "HL2", "HL4", "HL8"], "results": results}))
+    return bench_dir
+
+
+def assert_pngs(paths, directory, names):
+    assert [p.name for p in paths] == names
+    for p in paths:
+        assert p.parent == directory and p.is_file()
+        data = p.read_bytes()
+        assert data[:8] == PNG_SIGNATURE
+        assert len(data) > 10_000, f"{p.name} is suspiciously small ({len(data)} bytes)"
+
+
+# ---------------------------------------------------------------- pure helpers
+
+def test_rolling_median_hand_computed():
+    assert rolling_median([1, 100, 2, 3, 4], window=3) == [50.5, 2, 3, 3, 3.5]
+    assert rolling_median([5, 1, 9, 7, 3], window=5) == [5, 6, 5, 5, 7]
+    assert rolling_median([], window=5) == []
+    assert rolling_median([7.0], window=5) == [7.0]
+
+
+def test_rolling_median_ignores_nan():
+    out = rolling_median([math.nan, 4.0, math.nan, math.nan, math.nan], window=3)
+    assert out[:3] == [4.0, 4.0, 4.0]
+    assert math.isnan(out[3]) and math.isnan(out[4])
+
+
+def test_step_ideal_hand_computed():
+    # B = 300, speeds 200/0.1 = 2000 and 100/0.1 = 1000 samples/s -> 0.1 s, plus min wait 0.01 s
+    rows = [StepRow(0, 0, 200, 0.1, 0.01, 0.11), StepRow(0, 1, 100, 0.1, 0.03, 0.13)]
+    assert step_ideal_s(rows) == pytest.approx(0.11)
+    # an imbalanced split: v = 1000 + 2000 -> 300/3000 = 0.1 s, plus min wait 0.0
+    rows = [StepRow(0, 0, 100, 0.1, 0.1, 0.2), StepRow(0, 1, 200, 0.1, 0.0, 0.2)]
+    assert step_ideal_s(rows) == pytest.approx(0.1)
+    assert math.isnan(step_ideal_s([StepRow(0, 0, 10, 0.0, 0.0, 0.0)]))
+    assert math.isnan(step_ideal_s([]))
+
+
+def test_weighted_loss_and_training_time():
+    assert weighted_loss([1.0, 4.0], [300, 100]) == pytest.approx((300 + 400) / 400)
+    assert weighted_loss([2.0], [64]) == 2.0
+    assert math.isnan(weighted_loss([], []))
+    assert training_time_s([0.1, 0.2, math.nan, 0.3]) == pytest.approx([0.1, 0.3, 0.3, 0.6])
+
+
+def test_load_run_series(tmp_path):
+    data = load_run(synthetic_run(tmp_path / "run"))
+    assert data.steps == list(range(30)) and data.ranks == [0, 1, 2]
+    assert data.per_rank["batch"][2][14:16] == [170, 85]
+    assert data.speed_changes == [(20, [1000.0, 2000.0, 4000.0])]  # step-0 speeds are not a change
+    assert data.rebalances == [15]
+    assert [e["step"] for e in data.evals] == [15, 30]
+    # step 0: batches 172/170/170, losses 2.30/2.31/2.32
+    assert data.loss_by_step[0] == pytest.approx((172 * 2.30 + 170 * 2.31 + 170 * 2.32) / 512)
+    assert data.summary["balance_efficiency"] == 0.87
+
+
+# ---------------------------------------------------------------- rendering
+
+def test_render_run(tmp_path):
+    run_dir = synthetic_run(tmp_path / "run")
+    assert_pngs(render(run_dir), run_dir, RUN_PNGS)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"n_steps": 1, "evals": False, "summary": False},
+    {"speeds": (1000.0,), "evals": False},
+    {"n_steps": 2, "speeds": (3000.0, 1000.0)},
+])
+def test_render_run_edge_cases(tmp_path, kwargs):
+    run_dir = synthetic_run(tmp_path / "run", **kwargs)
+    assert_pngs(render_run(run_dir), run_dir, RUN_PNGS)
+
+
+def test_render_bench(tmp_path):
+    bench_dir = synthetic_bench(tmp_path / "bench")
+    assert_pngs(render(bench_dir), bench_dir, ["speedup.png", "efficiency.png"])
+    assert_pngs(render_bench(bench_dir), bench_dir, ["speedup.png", "efficiency.png"])
+
+
+def test_render_bench_skips_empty_figures(tmp_path):
+    (tmp_path / "bench.json").write_text(json.dumps({"results": [
+        {"setting": "HL8", "arm": "omnilearn", "speedup": None, "ideal_speedup": None,
+         "balance_efficiency": 0.9, "mean_step_s": 0.03}]}))
+    assert [p.name for p in render_bench(tmp_path)] == ["efficiency.png"]
+
+
+# ---------------------------------------------------------------- errors
+
+def test_empty_directory_names_the_path(tmp_path):
+    with pytest.raises(ReportError, match="holds neither metrics.jsonl .* nor bench.json") as e:
+        render(tmp_path)
+    assert str(tmp_path) in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ReportError, match="does not exist") as e:
+        render(tmp_path / "nope")
+    assert str(tmp_path / "nope") in str(e.value)
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"event": "step", "step": 0\n', "line 1 is not JSON"),
+    ('{"event": "eval", "epoch": 0, "step": 1, "test_accuracy": 0.5}\n', "no step records"),
+    ('{"event": "step", "step": 0, "rank": 0}\n', "lacks one of"),
+    ("", "no step records"),
+])
+def test_malformed_metrics(tmp_path, content, match):
+    (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(ReportError, match=match) as e:
+        render(tmp_path)
+    assert str(tmp_path) in str(e.value)
+
+
+@pytest.mark.parametrize("content", ["not json", '{"settings": ["HL1"]}', '{"results": []}', '{"results": [{}]}'])
+def test_malformed_bench(tmp_path, content):
+    (tmp_path / "bench.json").write_text(content)
+    with pytest.raises(ReportError) as e:
+        render(tmp_path)
+    assert str(tmp_path / "bench.json") in str(e.value)
+
+
+def test_tensorboard_missing_package(tmp_path, monkeypatch):
+    run_dir = synthetic_run(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    with pytest.raises(ReportError, match="pip install tensorboard"):
+        write_tensorboard(run_dir, tmp_path / "tb")
