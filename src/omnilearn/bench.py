@@ -19,7 +19,7 @@ from statistics import fmean
 
 from omnilearn import launch
 from omnilearn.benchstats import (add_speedups, arm_figures, fidelity_error, markdown_table, reaction_steps,
-                                  rows_from_records, time_to_accuracy)
+                                  rows_from_records, settle_steps, time_to_accuracy)
 from omnilearn.config import ConfigError, TrainConfig, dump_toml
 from omnilearn.rundir import RunDirError, prepare, read_metrics, write_json
 
@@ -85,6 +85,8 @@ def measure(arm: Arm, target_accuracy: float | None) -> dict:
     out["time_to_accuracy_s"] = time_to_accuracy(evals, target_accuracy)
     changes = [r["step"] for r in records if r["event"] == "speeds" and r["step"] > 0]
     out["reaction_steps"] = reaction_steps(rows, changes, summary["steps"]) if paper else None
+    out["settle_steps"] = settle_steps(rows, changes, summary["steps"]) if paper else None
+    out["speed_change_steps"] = changes if paper else None
     if arm.arm == "uniform" and not paper:
         out["fidelity_error"] = fidelity_error(rows, cfg.declared_speeds, first)
     return out

@@ -47,6 +47,30 @@ def reaction_steps(rows: Sequence[StepRow], change_steps: Sequence[int], end_ste
     return out
 
 
+def settle_steps(rows: Sequence[StepRow], change_steps: Sequence[int], end_step: int,
+                 tolerance: float = 0.10, window: int = REACTION_WINDOW) -> list[int | None]:
+    """Steps after each change until the step time is within ``tolerance`` of where the block settles.
+
+    The settled time is the median step time of the block's last third. Unlike
+    :func:`reaction_steps` this does not depend on how close to ``T*`` the
+    host's sync overhead lets a balanced step come.
+    """
+    measured = {s: measured_step_s(v) for s, v in by_step(rows).items()}
+    bounds = list(change_steps) + [end_step]
+    out: list[int | None] = []
+    for start, stop in zip(bounds, bounds[1:]):
+        tail = [measured[s] for s in range(stop - max(1, (stop - start) // 3), stop) if s in measured]
+        limit = (1 + tolerance) * median(tail) if tail else None
+        found = None
+        for j in range(start, stop - window + 1):
+            span = [measured[s] for s in range(j, j + window) if s in measured]
+            if limit and j in measured and measured[j] <= limit and median(span) <= limit:
+                found = j - start
+                break
+        out.append(found)
+    return out
+
+
 def time_to_accuracy(evals: Sequence[dict], target: float | None) -> float | None:
     """Training time (s) of the first evaluation reaching ``target`` test accuracy."""
     if target is None:
@@ -93,21 +117,24 @@ def add_speedups(results: list[dict]) -> None:
         r["ideal_speedup"] = base / r["ideal_step_s"] if base and r.get("ideal_step_s") else None
 
 
+def _steps(values: Sequence[int | None] | None) -> str:
+    return "–" if values is None else ",".join("never" if x is None else str(x) for x in values)
+
+
 def _fmt(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
 def markdown_table(results: Sequence[dict]) -> str:
     head = ("| setting | arm | step ms | samples/s | speed-up | ideal speed-up | balance eff. | "
-            "mean wait ms per worker | reaction steps |")
-    lines = [head, "|" + "---|" * 9]
+            "mean wait ms per worker | reaction steps (to T*+10%) | settle steps |")
+    lines = [head, "|" + "---|" * 10]
     for r in results:
         wait = "/".join(f"{w * 1e3:.1f}" for w in r.get("wait_s_per_worker") or []) or "–"
-        reaction = r.get("reaction_steps")
-        react = "–" if reaction is None else ",".join("never" if x is None else str(x) for x in reaction)
+        react, settle = (_steps(r.get("reaction_steps")), _steps(r.get("settle_steps")))
         lines.append(
             f"| {r['setting']} | {r['arm']} | {r['mean_step_s'] * 1e3:.1f} | {r['samples_per_s']:.0f} | "
             f"{_fmt(r.get('speedup'), '.2f')} | {_fmt(r.get('ideal_speedup'), '.2f')} | "
-            f"{_fmt(r.get('balance_efficiency'), '.3f')} | {wait} | {react} |"
+            f"{_fmt(r.get('balance_efficiency'), '.3f')} | {wait} | {react} | {settle} |"
         )
     return "\n".join(lines)

@@ -332,7 +332,7 @@ def test_add_speedups_uniform_after_arm_in_list():
 # ---------------------------------------------------------------- markdown_table
 
 HEADER = ("| setting | arm | step ms | samples/s | speed-up | ideal speed-up | balance eff. | "
-          "mean wait ms per worker | reaction steps |")
+          "mean wait ms per worker | reaction steps (to T*+10%) | settle steps |")
 
 
 def test_markdown_table_rows():
@@ -342,27 +342,36 @@ def test_markdown_table_rows():
          "wait_s_per_worker": [0.0123, 0.1], "reaction_steps": None},
         {"setting": "HL8", "arm": "omni", "mean_step_s": 0.1234, "samples_per_s": 99.6,
          "speedup": None, "ideal_speedup": None, "balance_efficiency": None,
-         "reaction_steps": [3, None, 0]},
+         "reaction_steps": [3, None, 0], "settle_steps": [1, 2, None]},
         {"setting": "dyn", "arm": "omni", "mean_step_s": 1.0, "samples_per_s": 8.0,
          "wait_s_per_worker": []},
     ]
     lines = markdown_table(results).split("\n")
     assert lines == [
         HEADER,
-        "|---|---|---|---|---|---|---|---|---|",
-        "| HL2 | uniform | 250.0 | 1024 | 1.00 | 1.50 | 0.667 | 12.3/100.0 | – |",
-        "| HL8 | omni | 123.4 | 100 | – | – | – | – | 3,never,0 |",
-        "| dyn | omni | 1000.0 | 8 | – | – | – | – | – |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        "| HL2 | uniform | 250.0 | 1024 | 1.00 | 1.50 | 0.667 | 12.3/100.0 | – | – |",
+        "| HL8 | omni | 123.4 | 100 | – | – | – | – | 3,never,0 | 1,2,never |",
+        "| dyn | omni | 1000.0 | 8 | – | – | – | – | – | – |",
     ]
     for line in lines:
-        assert line.count("|") == 10
+        assert line.count("|") == 11
 
 
 def test_markdown_table_empty_is_header_only():
-    assert markdown_table([]) == HEADER + "\n|---|---|---|---|---|---|---|---|---|"
+    assert markdown_table([]) == HEADER + "\n|---|---|---|---|---|---|---|---|---|---|"
 
 
 def test_markdown_table_all_none_reactions():
     r = {"setting": "s", "arm": "a", "mean_step_s": 0.001, "samples_per_s": 1.0,
          "reaction_steps": [None, None]}
-    assert markdown_table([r]).splitlines()[-1].endswith("| – | never,never |")
+    assert markdown_table([r]).splitlines()[-1].endswith("| – | never,never | – |")
+
+
+def test_settle_steps_counts_to_the_blocks_own_settled_time():
+    # These blocks settle exactly at T*, so both measures agree and count the k unbalanced steps.
+    from omnilearn.benchstats import settle_steps
+
+    rows = dynamic_run([0, 20, 40], 60, [4, 0, 7])
+    assert settle_steps(rows, [0, 20, 40], 60) == [4, 0, 7]
+    assert settle_steps(rows, [0, 20, 40], 60, window=5) == reaction_steps(rows, [0, 20, 40], 60)
