@@ -40,11 +40,14 @@ class Arm:
 def parse_settings(text: str) -> tuple[str, ...]:
     settings = tuple(s.strip() for s in text.split(",") if s.strip())
     for s in settings:
-        if s.upper() not in SETTINGS[:-1] and s != "paper":
+        if s.upper() not in SETTINGS[:-1] and s.lower() != "paper":
             raise ConfigError(f"unknown bench setting {s!r}; choose from {', '.join(SETTINGS)}")
     if not settings:
         raise ConfigError("--speeds names no setting; e.g. --speeds HL1,HL8,paper")
-    return tuple(s if s == "paper" else s.upper() for s in settings)
+    settings = tuple(s.lower() if s.lower() == "paper" else s.upper() for s in settings)
+    if len(set(settings)) != len(settings):
+        raise ConfigError(f"--speeds {text!r} names a setting twice; use --repeats to run arms more than once")
+    return settings
 
 
 def plan(base: TrainConfig, settings: tuple[str, ...], steps: int, block_steps: int, repeats: int,
@@ -92,18 +95,29 @@ def measure(arm: Arm, target_accuracy: float | None) -> dict:
     return out
 
 
+def _merge(values: list):
+    """Repeats of one figure: floats averaged, lists element-wise, step counts by their worst case."""
+    first = values[0]
+    if isinstance(first, float) and all(isinstance(v, float) for v in values):
+        return fmean(values)
+    if isinstance(first, list) and all(isinstance(v, list) and len(v) == len(first) for v in values):
+        return [_merge(list(col)) for col in zip(*values)]
+    if isinstance(first, int) and not isinstance(first, bool) and all(isinstance(v, int) for v in values):
+        return max(values)  # reaction/settle steps: the slowest repeat
+    if any(v is None for v in values):
+        return None  # e.g. a repeat that never reached the target accuracy, or never settled
+    return first
+
+
 def average(results: list[dict]) -> list[dict]:
-    """One row per setting x arm: numeric figures averaged over repeats."""
+    """One row per setting x arm, repeats merged (see :func:`_merge`); ``run_dirs`` lists them all."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         groups.setdefault((r["setting"], r["arm"]), []).append(r)
     merged = []
     for rs in groups.values():
-        row = dict(rs[0])
-        for key, value in row.items():
-            if isinstance(value, float) and all(isinstance(r.get(key), float) for r in rs):
-                row[key] = fmean(r[key] for r in rs)
-        row["repeats"] = len(rs)
+        row = {key: _merge([r.get(key) for r in rs]) for key in rs[0] if key not in ("run_dir", "repeat")}
+        row.update(steps=rs[0]["steps"], repeats=len(rs), run_dirs=[r["run_dir"] for r in rs])
         merged.append(row)
     return merged
 
@@ -116,6 +130,8 @@ def run(base: TrainConfig, settings: tuple[str, ...], length: tuple[str, int, in
         raise RunDirError(f"--out {str(out)!r} already holds a bench (bench.json); choose another --out or pass --overwrite")
     arms = plan(base, settings, steps, block_steps, repeats, out)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("error-rank*.log"):
+        stale.unlink()
     for a in arms:
         prepare(str(a.job.run_dir), True, dump_toml(a.job.cfg))
     print(f"omnilearn bench: {len(arms)} runs ({mode}) of {base.workers} workers, settings {','.join(settings)}, "

@@ -108,13 +108,21 @@ def arm_figures(rows: Sequence[StepRow], global_batch: int, wall_step_s: float, 
     }
 
 
-def add_speedups(results: list[dict]) -> None:
-    """Fill ``speedup`` (uniform step / arm step) and ``ideal_speedup`` (uniform step / T*) in place."""
-    uniform = {r["setting"]: r["mean_step_s"] for r in results if r["arm"] == "uniform"}
+def add_speedups(results: list[dict], balanced_arm: str = "omnilearn") -> None:
+    """Fill ``speedup`` and ``ideal_speedup`` in place.
+
+    ``speedup``: uniform wall time per step / the arm's. ``ideal_speedup``, one
+    per setting: uniform in-step time / ``T*`` of the balanced arm (both
+    measured inside the steps, over the same range of steps), i.e. the most
+    balancing could win over equal batches on these workers.
+    """
+    uniform = {r["setting"]: r for r in results if r["arm"] == "uniform"}
+    balanced = {r["setting"]: r for r in results if r["arm"] == balanced_arm}
     for r in results:
-        base = uniform.get(r["setting"])
-        r["speedup"] = base / r["mean_step_s"] if base else None
-        r["ideal_speedup"] = base / r["ideal_step_s"] if base and r.get("ideal_step_s") else None
+        base, best = uniform.get(r["setting"]), balanced.get(r["setting"])
+        r["speedup"] = base["mean_step_s"] / r["mean_step_s"] if base else None
+        ok = base and best and base.get("in_step_s") and best.get("ideal_step_s")
+        r["ideal_speedup"] = base["in_step_s"] / best["ideal_step_s"] if ok else None
 
 
 def _steps(values: Sequence[int | None] | None) -> str:

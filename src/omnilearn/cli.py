@@ -129,9 +129,17 @@ def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
             raise ConfigError(f"--workers {given} does not match torchrun's WORLD_SIZE {world}; drop --workers")
         values["workers"] = world
     cfg = build(file_values, values)
-    problem = device_problem(cfg.device, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers)))
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
+    problem = device_problem(cfg.device, local_workers)
     if problem:
         raise ConfigError(problem)
+    if cfg.emulator in ("cgroup", "affinity", "docker"):
+        from omnilearn.throttle import ThrottleError, preflight
+
+        try:
+            preflight(cfg.emulator, local_workers)
+        except ThrottleError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 
@@ -184,8 +192,12 @@ def bench(args: argparse.Namespace) -> int:
     if target is not None and not 0 < target <= 1:
         raise ConfigError(f"--target-accuracy {target} must be a fraction in (0, 1], e.g. 0.9")
     base = _config(args, speeds=None, out=None, quiet=True)
-    for s in settings:  # a level needs 4 workers; fail before anything starts
-        _config(args, speeds=None if s == "paper" else s, speed_schedule="paper" if s == "paper" else None)
+    if "HL1" in settings and base.emulator not in ("delay", "none"):
+        raise ConfigError(f"the plain-DDP arm at HL1 runs without OS throttles; use --emulator delay or drop HL1 "
+                          f"from --speeds (got --emulator {base.emulator})")
+    if "HL1" in settings and base.global_batch % base.workers:
+        raise ConfigError(f"the plain-DDP arm needs --global-batch {base.global_batch} divisible by --workers "
+                          f"{base.workers}")
     out = Path(getattr(args, "out", None) or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S"))
     mode = "quick" if getattr(args, "quick", False) else "full"
     steps = getattr(args, "steps", bench_mod.STEPS[mode])
@@ -193,11 +205,18 @@ def bench(args: argparse.Namespace) -> int:
     for flag, value in (("--steps", steps), ("--block-steps", block)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1")
+    from omnilearn import data
+    from omnilearn.runplan import resolve
+
+    n_train = len(data.load(base.dataset).train)
+    for arm in bench_mod.plan(base, settings, steps, block, 1, out):  # every arm valid before anything runs
+        resolve(arm.job.cfg, n_train)
     result = bench_mod.run(base, settings, (mode, steps, block), repeats, target, out, getattr(args, "overwrite", False))
     print(markdown_table(result["results"]))
     print(f"bench: {out / 'bench.json'}")
     if getattr(args, "plots", True):
-        for path in [out, *sorted({Path(r["run_dir"]) for r in result["results"] if r["arm"] != "ddp"})]:
+        runs = {Path(d) for r in result["results"] if r["arm"] != "ddp" for d in r["run_dirs"]}
+        for path in [out, *sorted(runs)]:
             _plots(path)
     return 0
 
@@ -205,10 +224,13 @@ def bench(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from omnilearn.report import ReportError, render, write_tensorboard
 
+    path = Path(args.path)
     try:
-        files = render(Path(args.path))
         if args.tensorboard:
-            write_tensorboard(Path(args.path), Path(args.tensorboard))
+            if (path / "bench.json").exists():
+                raise ReportError(f"--tensorboard takes a train run directory; {path} is a bench (bench.json)")
+            write_tensorboard(path, Path(args.tensorboard))
+        files = render(path)
     except ReportError as e:
         raise ConfigError(str(e)) from None
     print("\n".join(str(f) for f in files))

@@ -74,9 +74,14 @@ class TrainConfig:
             raise ConfigError(f"--momentum {self.momentum} must be in [0, 1)")
         if not 0 <= self.deadband < 1:
             raise ConfigError(f"--deadband {self.deadband} must be in [0, 1), e.g. 0.05")
-        if self.emulator == "docker" and len((self.containers or "").split(",")) != self.workers:
+        names = [c.strip() for c in self.containers.split(",")] if self.containers else []
+        if self.emulator == "docker" and (len(names) != self.workers or not all(names)):
             raise ConfigError(f"--emulator docker needs --containers with one name per worker ({self.workers}), "
                               f"got {self.containers!r}")
+        if self.containers is not None and self.emulator != "docker":
+            raise ConfigError("--containers is only used with --emulator docker")
+        if self.throttle_cpus is not None and self.emulator not in ("cgroup", "docker"):
+            raise ConfigError("--throttle-cpus is only used with --emulator cgroup or docker")
         if self.throttle_cpus is not None and self.throttle_cpus <= 0:
             raise ConfigError(f"--throttle-cpus {self.throttle_cpus:g} must be positive")
         if self.loader_workers < 0:

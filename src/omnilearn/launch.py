@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -101,9 +102,17 @@ def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
     finally:
         shutil.rmtree(store, ignore_errors=True)
         if any(job.cfg.emulator == "cgroup" for job in jobs):
-            from omnilearn.throttle import cleanup_run
+            _cleanup_cgroups(run)
 
-            cleanup_run(run)  # also after a crash or Ctrl-C: no cgroup outlives the run
+
+def _cleanup_cgroups(run: str) -> None:
+    """Remove the run's cgroups, also after a crash or Ctrl-C; a failure here is a warning, not the error."""
+    from omnilearn.throttle import ThrottleError, cleanup_run
+
+    try:
+        cleanup_run(run)
+    except ThrottleError as e:
+        print(f"omnilearn: warning: {e}", file=sys.stderr)
 
 
 def run_torchrun(jobs: Sequence[Job], log_dir: Path | None) -> None:

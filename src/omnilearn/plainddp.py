@@ -21,13 +21,14 @@ from omnilearn import data, models
 from omnilearn.config import TrainConfig
 from omnilearn.dist.group import DistContext
 from omnilearn.rundir import write_json
+from omnilearn.runplan import resolve
 
 
 def train_plain_ddp(cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) -> dict | None:
     splits = data.load(cfg.dataset)
     if cfg.global_batch % ctx.world_size:
         raise ValueError(f"plain DDP needs --global-batch divisible by {ctx.world_size} workers")
-    total = cfg.max_steps or (len(splits.train) // cfg.global_batch) * cfg.epochs
+    total = resolve(cfg, len(splits.train)).total_steps  # exactly as many steps as the OmniLearn arms
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, splits.input_shape, splits.num_classes).to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)

@@ -315,11 +315,20 @@ class AffinityThrottle:
         if mine != self.cores:
             _pin(self.pid, mine)
             self.cores = mine
+            if self.pid == os.getpid():  # as many intra-op threads as cores, no more, no fewer
+                import torch
+
+                self._threads = getattr(self, "_threads", None) or torch.get_num_threads()
+                torch.set_num_threads(len(mine))
 
     def close(self) -> None:
         if self.cores is not None:
             _pin(self.pid, self.original)
             self.cores = None
+            if getattr(self, "_threads", None):
+                import torch
+
+                torch.set_num_threads(self._threads)
 
 
 class DockerThrottle:
@@ -349,6 +358,20 @@ class DockerThrottle:
 
     def close(self) -> None:
         """Nothing to undo here: the limits live on the containers, which their launcher owns."""
+
+
+def preflight(name: str, local_world_size: int) -> None:
+    """Refuse up front what the OS will refuse anyway (before any run directory is written)."""
+    if name == "affinity":
+        if not hasattr(os, "sched_getaffinity"):
+            raise ThrottleError("affinity backend needs Linux (os.sched_setaffinity); use --emulator delay")
+        allocate_cores([1.0] * local_world_size, len(os.sched_getaffinity(0)))
+    elif name == "docker" and shutil.which("docker") is None:
+        raise ThrottleError("docker backend: no `docker` command on PATH; install the Docker CLI or use --emulator delay")
+    elif name == "cgroup":
+        layout = detect_layout(cgroup_root())
+        if not os.access(layout.path, os.W_OK):
+            raise ThrottleError(f"cgroup backend: cannot write {layout.path}; {_FIX}")
 
 
 def make_throttle(name: str, rank: int, local_rank: int, local_world_size: int, run_id: str,

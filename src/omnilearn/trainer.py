@@ -11,6 +11,7 @@ future step, and rank 0 writes the rows and prints progress.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -76,8 +77,17 @@ class BSPTrainer:
         try:
             return self._fit()
         finally:
-            if self.throttle is not None:
-                self.throttle.close()
+            self._release_throttle()
+
+    def _release_throttle(self) -> None:
+        if self.throttle is None:
+            return
+        from omnilearn.throttle import ThrottleError
+
+        try:
+            self.throttle.close()
+        except ThrottleError as e:  # never hide the run's own outcome behind a clean-up problem
+            print(f"omnilearn: warning: rank {self.ctx.rank}: {e}", file=sys.stderr)
 
     def _fit(self) -> dict | None:
         step, start, eval_s = 0, time.perf_counter(), 0.0
@@ -160,7 +170,9 @@ class BSPTrainer:
 
 def run_id() -> str:
     """Shared by every rank of a launch: names the run's cgroups."""
-    return os.environ.get("OMNILEARN_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "torchrun"
+    if "OMNILEARN_RUN_ID" in os.environ:
+        return os.environ["OMNILEARN_RUN_ID"]
+    return f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ.get('MASTER_PORT', '0')}"
 
 
 def _throttle(cfg: TrainConfig, ctx: DistContext):

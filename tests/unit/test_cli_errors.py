@@ -90,7 +90,10 @@ def test_cuda_without_cuda_is_refused_up_front(tmp_path, capsys):
     "flags, needle",
     [
         (["--speeds", "HL3"], "unknown bench setting 'HL3'"),
-        (["--speeds", "HL1,HL8", "--workers", "3"], "give 4 workers but --workers is 3"),
+        (["--speeds", "HL2,HL8", "--workers", "3"], "give 4 workers but --workers is 3"),
+        (["--speeds", "HL1", "--global-batch", "510"], "divisible by --workers 4"),
+        (["--speeds", "HL1,hl1"], "names a setting twice"),
+        (["--speeds", "HL1", "--emulator", "none", "--containers", "a"], "only used with --emulator docker"),
         (["--repeats", "0"], "--repeats 0 must be at least 1"),
         (["--target-accuracy", "2"], "--target-accuracy 2.0 must be a fraction"),
         (["--steps", "0"], "--steps 0 must be at least 1"),
