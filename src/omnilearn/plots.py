@@ -3,7 +3,7 @@
 Each function takes ready-made series, saves one figure (dpi 110), closes it
 and returns the path. Use it through ``omnilearn.report.render``:
 
-    python -c "from pathlib import Path; from omnilearn.report import render; print(render(Path('runs/demo')))"
+    omnilearn report runs/demo
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ per-step arithmetic live here (pure, tested); the drawing is in
 ``omnilearn.plots``. ``write_tensorboard`` exports the same series as
 TensorBoard scalars when the ``tensorboard`` package is installed.
 
-Run:  python -c "from pathlib import Path; from omnilearn.report import render; print(render(Path('runs/demo')))"
+Run:  omnilearn report runs/demo   (or a bench directory)
 """
 
 from __future__ import annotations
