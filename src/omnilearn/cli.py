@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Sequence
 
 from omnilearn import __version__
-from omnilearn.config import DEVICES, EMULATORS, ConfigError, TrainConfig, build, dump_toml, load_toml
+from omnilearn.config import (DEVICES, EMULATORS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, OPTIMIZERS, ConfigError, TrainConfig, build,
+                              dump_toml, load_toml)
+from omnilearn.data import DATASETS
+from omnilearn.models import MODELS, is_language_model
+from omnilearn.presets import load_preset, preset_names
 from omnilearn.controller import CONTROLLERS
 from omnilearn.dist.group import device_problem, launched_by_torchrun, torchrun_world_size
 from omnilearn.rundir import RunDirError, prepare
@@ -40,13 +44,28 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig.__dataclass_fields__
     add = p.add_argument
     add("--config", help="TOML file with settings (flags override it)")
+    add("--preset", help=f"a paper workload's settings ({', '.join(preset_names())}) or a preset TOML file; "
+        "--config and flags override it")
     add("--workers", type=int, help=f"local worker processes (default {d['workers'].default}; under torchrun: WORLD_SIZE)")
-    add("--model", help="cnn1d (default) or mlp")
-    add("--dataset", help="mnist1d (default, generated locally) or synthetic")
+    add("--model", help=f"{', '.join(MODELS)} (default {d['model'].default}); language models start from "
+        f"{', '.join(f'{k} {v}' for k, v in LANGUAGE_MODEL_DEFAULTS.items())}")
+    add("--dataset", help=f"{', '.join(DATASETS)} (default {d['dataset'].default}, generated locally)")
+    add("--data-dir", help="cifar10/cifar100/imagefolder: where the data is; text: a file or folder (default: "
+        "Python's own standard library sources)")
+    add("--input-shape", help="synthetic: sample shape, e.g. 40 (default) or 3x32x32")
+    add("--num-classes", type=int, help="synthetic: number of classes (default 10)")
+    add("--image-size", type=int, help=f"imagefolder: images resized to this square (default {d['image_size'].default})")
+    add("--seq-len", type=int, help=f"text: bytes per sample (default {d['seq_len'].default})")
+    add("--no-augment", dest="augment", action="store_false", help="image datasets: no random crop/flip in training")
     add("--global-batch", type=int, help=f"samples per step over all workers (default {d['global_batch'].default})")
     add("--epochs", type=int, help=f"passes over the training set (default {d['epochs'].default})")
-    add("--lr", type=float, help=f"SGD learning rate, cosine-decayed (default {d['lr'].default})")
+    add("--optimizer", choices=OPTIMIZERS, help="sgd (default, with --momentum) or adamw")
+    add("--lr", type=float, help=f"learning rate (default {d['lr'].default})")
+    add("--lr-schedule", choices=LR_SCHEDULES, help="cosine (default) over the run, multistep (--milestones), constant")
+    add("--milestones", help="multistep: epochs at which the rate is multiplied by --gamma, e.g. 15,30,45")
+    add("--gamma", type=float, help=f"multistep decay factor (default {d['gamma'].default})")
     add("--momentum", type=float, help=f"SGD momentum (default {d['momentum'].default})")
+    add("--weight-decay", type=float, help="weight decay (default 0)")
     add("--seed", type=int, help="seed for model init and data order (default 0)")
     add("--emulator", choices=EMULATORS, help="how slower workers are emulated: delay (default, portable), "
         "cgroup (CPU quota), affinity (CPU sets), docker (docker update per container), none")
@@ -116,7 +135,14 @@ def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
     values = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
     values.update(overrides)
     file_values = load_toml(args.config) if getattr(args, "config", None) else {}
+    preset = values.get("preset", file_values.get("preset"))
+    if preset is not None:
+        preset_values = load_preset(preset)
+        file_values = {**preset_values, **file_values, "preset": preset_values["preset"]}
+        values.pop("preset", None)
     merged = {**file_values, **values}
+    if is_language_model(merged.get("model", TrainConfig.model)):
+        file_values = {**LANGUAGE_MODEL_DEFAULTS, **file_values}
     if merged.get("speeds") is not None and merged.get("speed_schedule") is not None:
         raise ConfigError("--speeds and --speed-schedule both given; the schedule sets the speeds, drop --speeds")
     schedule = merged.get("speed_schedule")
@@ -155,11 +181,11 @@ def _plots(path: Path) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
-    from omnilearn import data, launch
+    from omnilearn import launch, workload
     from omnilearn.runplan import resolve
 
     cfg = _config(args)
-    resolve(cfg, len(data.load(cfg.dataset).train))  # fail fast, before any process starts
+    resolve(cfg, len(workload.check(cfg).train))  # fail fast (data, model, run length) before any process starts
     if launched_by_torchrun():
         main_rank = os.environ["RANK"] == "0"
         run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if main_rank else Path(cfg.out or ".")
@@ -205,10 +231,10 @@ def bench(args: argparse.Namespace) -> int:
     for flag, value in (("--steps", steps), ("--block-steps", block)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1")
-    from omnilearn import data
+    from omnilearn import workload
     from omnilearn.runplan import resolve
 
-    n_train = len(data.load(base.dataset).train)
+    n_train = len(workload.check(base).train)
     for arm in bench_mod.plan(base, settings, steps, block, 1, out):  # every arm valid before anything runs
         resolve(arm.job.cfg, n_train)
     result = bench_mod.run(base, settings, (mode, steps, block), repeats, target, out, getattr(args, "overwrite", False))

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from omnilearn.allocation import InfeasibleBounds, check_feasible
 from omnilearn.controller import CONTROLLERS
 from omnilearn.data import DATASETS
-from omnilearn.models import MODELS
+from omnilearn.models import LANGUAGE_MODELS, MODELS, is_language_model
 from omnilearn.speeds import BSP_LEVELS, SpeedError, parse_speeds
 from omnilearn.tomlfile import read_toml
 
@@ -29,20 +29,24 @@ class ConfigError(ValueError):
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 EMULATORS = ("delay", "cgroup", "affinity", "docker", "none")
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("sgd", "adamw")
+# What the CLI starts from for a language model, under a preset, --config and flags: a CPU-friendly run.
+LANGUAGE_MODEL_DEFAULTS = {"dataset": "text", "optimizer": "adamw", "lr": 3e-3, "global_batch": 128, "epochs": 1}
+LR_SCHEDULES = ("cosine", "multistep", "constant")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    workers: int = 4
-    model: str = "cnn1d"
-    dataset: str = "mnist1d"
+class BalanceConfig:
+    """How batches are balanced: everything the Python API (:func:`omnilearn.setup`) needs.
+
+    ``workers`` is the number of worker processes; the API fills it from the
+    process group. The CLI's :class:`TrainConfig` adds the workload.
+    """
+
+    workers: int | None = None
     global_batch: int = 512
-    epochs: int = 40
-    max_steps: int | None = None
-    lr: float = 0.05
-    momentum: float = 0.9
     seed: int = 0
-    speeds: str | None = None  # None: HL8 for 4 workers, equal speeds otherwise
+    speeds: str | None = None  # emulated relative speeds; None: all equal (no emulation)
     speed_schedule: str | None = None  # "paper" or a TOML file
     emulator: str = "delay"
     containers: str | None = None  # --emulator docker: one container name per worker, comma-separated
@@ -52,28 +56,37 @@ class TrainConfig:
     min_batch: int = 8
     max_batch: int | None = None  # None: the global batch
     control_interval: int = 15
-    out: str | None = None  # None: runs/<timestamp>
+    out: str | None = None  # run directory (CLI default: runs/<timestamp>; API default: none written)
     overwrite: bool = False
     device: str = "auto"
-    loader_workers: int = 0
     timeout_s: float = 300.0
     quiet: bool = False  # one line per run instead of live progress (used by bench)
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if self.speeds is None:
-            object.__setattr__(self, "speeds", "HL8" if self.workers == 4 else ",".join(["1"] * self.workers))
-        _positive(self, "workers", "global_batch", "epochs", "lr", "control_interval", "timeout_s")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"--max-steps {self.max_steps} must be at least 1 (or omit it to run --epochs)")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"--workers {self.workers} must be positive")
+        if self.speeds is None and self.workers is not None:
+            object.__setattr__(self, "speeds", ",".join(["1"] * self.workers))
+        _positive(self, "global_batch", "control_interval", "timeout_s")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed {self.seed} must be in [0, 2**63)")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise ConfigError(f"--timeout-s {self.timeout_s:g} is too long; use at most {MAX_TIMEOUT_S:g} seconds")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"--momentum {self.momentum} must be in [0, 1)")
         if not 0 <= self.deadband < 1:
             raise ConfigError(f"--deadband {self.deadband} must be in [0, 1), e.g. 0.05")
+        self._check_emulator()
+        for name, allowed in (("controller", CONTROLLERS), ("emulator", EMULATORS), ("device", DEVICES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if self.workers is not None:
+            try:
+                check_feasible(self.global_batch, self.workers, self.min_batch, self.upper_batch)
+                parse_speeds(self.speeds, self.workers, BSP_LEVELS)
+            except (InfeasibleBounds, SpeedError) as e:
+                raise ConfigError(str(e)) from None
+
+    def _check_emulator(self) -> None:
         names = [c.strip() for c in self.containers.split(",")] if self.containers else []
         if self.emulator == "docker" and (len(names) != self.workers or not all(names)):
             raise ConfigError(f"--emulator docker needs --containers with one name per worker ({self.workers}), "
@@ -84,17 +97,6 @@ class TrainConfig:
             raise ConfigError("--throttle-cpus is only used with --emulator cgroup or docker")
         if self.throttle_cpus is not None and self.throttle_cpus <= 0:
             raise ConfigError(f"--throttle-cpus {self.throttle_cpus:g} must be positive")
-        if self.loader_workers < 0:
-            raise ConfigError(f"--loader-workers {self.loader_workers} must be 0 or more")
-        for name, allowed in (("model", MODELS), ("dataset", DATASETS), ("controller", CONTROLLERS),
-                              ("emulator", EMULATORS), ("device", DEVICES)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
-        try:
-            check_feasible(self.global_batch, self.workers, self.min_batch, self.upper_batch)
-            parse_speeds(self.speeds, self.workers, BSP_LEVELS)
-        except (InfeasibleBounds, SpeedError) as e:
-            raise ConfigError(str(e)) from None
 
     @property
     def upper_batch(self) -> int:
@@ -102,16 +104,100 @@ class TrainConfig:
 
     @property
     def declared_speeds(self) -> tuple[float, ...]:
+        if self.workers is None:
+            raise ValueError("the number of workers is not known yet")
         return parse_speeds(self.speeds, self.workers, BSP_LEVELS)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _check_types(cfg: TrainConfig) -> None:
+@dataclass(frozen=True)
+class TrainConfig(BalanceConfig):
+    """``omnilearn train``: the balancing settings plus the workload (model, data, optimizer, schedule)."""
+
+    workers: int = 4
+    preset: str | None = None  # the paper preset this config started from (informational)
+    model: str = "cnn1d"
+    dataset: str = "mnist1d"
+    data_dir: str | None = None  # cifar10/cifar100/imagefolder: the data on disk; text: a file or folder
+    input_shape: str | None = None  # synthetic only, e.g. "3x32x32" (default 40)
+    num_classes: int | None = None  # synthetic only (default 10)
+    image_size: int = 32  # imagefolder: images are resized to this square
+    seq_len: int = 64  # text: tokens (bytes) per sample
+    augment: bool = True  # image datasets: random crop + flip on the training split
+    epochs: int = 40
+    max_steps: int | None = None
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    lr_schedule: str = "cosine"
+    milestones: str | None = None  # multistep: epochs at which the rate is multiplied by gamma, e.g. "15,30,45"
+    gamma: float = 0.1
+    loader_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.speeds is None and isinstance(self.workers, int):
+            object.__setattr__(self, "speeds", "HL8" if self.workers == 4 else None)
+        super().__post_init__()
+        _positive(self, "epochs", "lr", "image_size", "seq_len")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"--max-steps {self.max_steps} must be at least 1 (or omit it to run --epochs)")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum {self.momentum} must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay {self.weight_decay} must be 0 or more")
+        if not 0 < self.gamma <= 1:
+            raise ConfigError(f"--gamma {self.gamma} must be in (0, 1], e.g. 0.1")
+        if self.loader_workers < 0:
+            raise ConfigError(f"--loader-workers {self.loader_workers} must be 0 or more")
+        for name, allowed in (("model", MODELS), ("dataset", DATASETS), ("optimizer", OPTIMIZERS),
+                              ("lr_schedule", LR_SCHEDULES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        self.milestone_epochs  # validates
+        self.sample_shape  # validates
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ConfigError(f"--num-classes {self.num_classes} must be at least 2")
+        if is_language_model(self.model) != (self.dataset == "text"):
+            raise ConfigError(f"--model {self.model} and --dataset {self.dataset} do not fit: language models "
+                              f"({', '.join(LANGUAGE_MODELS)}) train on --dataset text, and only they do")
+        if (self.input_shape is not None or self.num_classes is not None) and self.dataset != "synthetic":
+            raise ConfigError(f"--input-shape and --num-classes describe --dataset synthetic; drop them for "
+                              f"--dataset {self.dataset}")
+
+    @property
+    def milestone_epochs(self) -> tuple[int, ...]:
+        if self.lr_schedule != "multistep":
+            if self.milestones is not None:
+                raise ConfigError("--milestones is only used with --lr-schedule multistep")
+            return ()
+        try:
+            epochs = tuple(int(m) for m in (self.milestones or "").split(","))
+        except ValueError:
+            epochs = ()
+        if not epochs or any(e < 1 for e in epochs) or list(epochs) != sorted(set(epochs)):
+            raise ConfigError(f"--milestones {self.milestones!r} must be increasing epochs, e.g. 15,30,45")
+        return epochs
+
+    @property
+    def sample_shape(self) -> tuple[int, ...] | None:
+        if self.input_shape is None:
+            return None
+        try:
+            shape = tuple(int(d) for d in self.input_shape.lower().replace(",", "x").split("x"))
+        except ValueError:
+            shape = ()
+        if not shape or any(d < 1 for d in shape) or len(shape) > 3:
+            raise ConfigError(f"--input-shape {self.input_shape!r} must be 1-3 positive sizes, e.g. 40 or 3x32x32")
+        return shape
+
+
+def _check_types(cfg: BalanceConfig) -> None:
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        kinds = _KINDS[f.name]
+        kinds = _kinds(f)
         if value is None and "None" in str(f.type):
             continue
         if isinstance(value, bool) and bool not in kinds:
@@ -124,14 +210,12 @@ def _check_types(cfg: TrainConfig) -> None:
             object.__setattr__(cfg, f.name, float(value))
 
 
-_KINDS: dict[str, tuple[type, ...]] = {
-    f.name: (bool,) if f.type == "bool" else (float, int) if "float" in str(f.type)
-    else (int,) if "int" in str(f.type) else (str,)
-    for f in fields(TrainConfig)
-}
+def _kinds(f: dataclasses.Field) -> tuple[type, ...]:
+    kind = str(f.type)
+    return (bool,) if kind == "bool" else (float, int) if "float" in kind else (int,) if "int" in kind else (str,)
 
 
-def _positive(cfg: TrainConfig, *names: str) -> None:
+def _positive(cfg: BalanceConfig, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
             flag = "--" + name.replace("_", "-")
@@ -167,7 +251,7 @@ def build(file_values: Mapping[str, Any], cli_values: Mapping[str, Any]) -> Trai
         raise ConfigError(str(e)) from None
 
 
-def dump_toml(cfg: TrainConfig) -> str:
+def dump_toml(cfg: BalanceConfig) -> str:
     """The resolved config as TOML (``None`` values are left out)."""
     lines = ["# Resolved OmniLearn config; rerun with: omnilearn train --config config.toml", "[train]"]
     for key, value in cfg.to_dict().items():

@@ -12,12 +12,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from omnilearn import data, models
+from omnilearn import data, workload
 from omnilearn.config import TrainConfig
 from omnilearn.dist.group import DistContext
 from omnilearn.rundir import write_json
@@ -25,15 +23,15 @@ from omnilearn.runplan import resolve
 
 
 def train_plain_ddp(cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) -> dict | None:
-    splits = data.load(cfg.dataset)
+    splits = workload.load_data(cfg)
     if cfg.global_batch % ctx.world_size:
         raise ValueError(f"plain DDP needs --global-batch divisible by {ctx.world_size} workers")
-    total = resolve(cfg, len(splits.train)).total_steps  # exactly as many steps as the OmniLearn arms
-    torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model, splits.input_shape, splits.num_classes).to(ctx.device)
+    run = resolve(cfg, len(splits.train))
+    total = run.total_steps  # exactly as many steps as the OmniLearn arms
+    model = workload.build_model(cfg, splits).to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
+    opt = workload.make_optimizer(cfg, ddp.parameters())
+    sched = workload.make_schedule(cfg, opt, total, run.steps_per_epoch)
     sampler = DistributedSampler(splits.train, ctx.world_size, ctx.rank, shuffle=True, seed=cfg.seed, drop_last=True)
     loader = DataLoader(splits.train, batch_size=cfg.global_batch // ctx.world_size, sampler=sampler,
                         drop_last=True, collate_fn=data.keep_batch)
@@ -41,7 +39,7 @@ def train_plain_ddp(cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) ->
     while step < total:
         sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = F.cross_entropy(ddp(x.to(ctx.device)), y.to(ctx.device))
+            loss = workload.criterion(ddp(x.to(ctx.device)), y.to(ctx.device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -52,17 +50,10 @@ def train_plain_ddp(cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) ->
         epoch += 1
     ctx.synchronize()
     train_s = time.perf_counter() - start
+    _, accuracy = workload.evaluate(model, splits.test, ctx)  # a collective: every rank takes part
     if run_dir is None:
         return None
     summary = {"controller": "ddp", "steps": total, "train_s": train_s, "wall_step_s": train_s / total,
-               "samples_per_s": total * cfg.global_batch / train_s, "test_accuracy": _accuracy(model, splits.test)}
+               "samples_per_s": total * cfg.global_batch / train_s, "test_accuracy": accuracy}
     write_json(run_dir / "summary.json", summary)
     return summary
-
-
-@torch.no_grad()
-def _accuracy(model: torch.nn.Module, test: data.TensorData) -> float:
-    model.eval()
-    device = next(model.parameters()).device
-    logits = model(test.x.to(device))
-    return (logits.argmax(1).cpu() == test.y).float().mean().item()

@@ -48,7 +48,7 @@ class Console:
         self.stream.write(text + "\n")
         self.stream.flush()
 
-    def progress(self, step: int, total: int, epoch: int, loss: float, batches: Sequence[int],
+    def progress(self, step: int, total: int | str, epoch: int, loss: float, batches: Sequence[int],
                  step_s: float, ideal_s: float, max_wait_s: float) -> None:
         self._emit(
             f"step {step:>5}/{total} | epoch {epoch:>3} | loss {loss:.4f} | batches {_batches(batches)} | "

@@ -74,7 +74,12 @@ class BatchSchedule:
         self._starts, self._plans = [0], [tuple(self.initial)]
 
     def at(self, step: int) -> tuple[int, ...]:
+        """The plan for ``step``, which from now on may not change."""
         self._max_read = max(self._max_read, step)
+        return self.peek(step)
+
+    def peek(self, step: int) -> tuple[int, ...]:
+        """The plan for ``step`` as registered so far (a later change may still replace it)."""
         return self._plans[bisect.bisect_right(self._starts, step) - 1]
 
     def change(self, from_step: int, batches: Sequence[int]) -> None:
@@ -100,7 +105,8 @@ class VariableBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _steps(self) -> range:
+    def steps(self) -> range:
+        """The global steps of the current epoch."""
         spe = self.plan.steps_per_epoch
         first = self.epoch * spe
         last = first + spe if self.total_steps is None else min(first + spe, self.total_steps)
@@ -108,8 +114,8 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         perm = self.plan.permutation(self.epoch)
-        for step in self._steps():
+        for step in self.steps():
             yield self.plan.worker_indices(step, self.schedule.at(step), self.rank, perm)
 
     def __len__(self) -> int:
-        return len(self._steps())
+        return len(self.steps())

@@ -8,7 +8,7 @@ from statistics import fmean
 
 import torch
 
-from omnilearn.config import TrainConfig
+from omnilearn.config import BalanceConfig
 from omnilearn.controller import Decision
 from omnilearn.efficiency import StepRow, balance_efficiency, by_step, ideal_step_s, measured_step_s, worker_stats
 from omnilearn.progress import Console
@@ -17,7 +17,7 @@ from omnilearn.runplan import RunPlan
 
 
 class Telemetry:
-    def __init__(self, cfg: TrainConfig, run: RunPlan, run_dir: Path | None) -> None:
+    def __init__(self, cfg: BalanceConfig, run: RunPlan, run_dir: Path | None) -> None:
         self.cfg, self.run, self.run_dir = cfg, run, run_dir
         self.log = MetricsLog(run_dir) if run_dir is not None else None
         self.console = Console(quiet=cfg.quiet)
@@ -52,7 +52,8 @@ class Telemetry:
                 self.train_loss[step] = self.train_loss.get(step, 0.0) + loss * batch / self.cfg.global_batch
         self.rows.extend(new_rows)
         steps = by_step(new_rows)
-        applied = decision.changed and effective < self.run.total_steps
+        total = self.run.total_steps
+        applied = decision.changed and (total is None or effective < total)
         new = decision.new if applied else decision.old
         self._write({"event": "decision", "step": decision.step, "effective_step": effective if applied else None,
                      "old": list(decision.old), "new": list(new), "proposed": list(decision.new),
@@ -67,39 +68,42 @@ class Telemetry:
     def _progress(self, decision: Decision, steps: dict[int, list[StepRow]]) -> None:
         last = max(steps)
         self.console.progress(
-            last + 1, self.run.total_steps, last // self.run.steps_per_epoch,
+            last + 1, self.run.total_steps or "?", last // self.run.steps_per_epoch,
             fmean(self.train_loss[s] for s in steps), decision.old,
             fmean(measured_step_s(v) for v in steps.values()),
             fmean(ideal_step_s(v) for v in steps.values()),
             max(fmean(r.wait_s for r in v) for v in zip(*steps.values())),
         )
 
-    def evaluation(self, epoch: int, step: int, wall_s: float, loss: float, accuracy: float) -> None:
+    def evaluation(self, epoch: int | None, step: int, wall_s: float, loss: float, accuracy: float) -> None:
         self.last_eval = {"epoch": epoch, "step": step, "wall_s": wall_s, "test_loss": loss, "test_accuracy": accuracy}
         self._write({"event": "eval", **self.last_eval})
 
-    def finish(self, wall_s: float, train_s: float, model: torch.nn.Module) -> dict:
+    def finish(self, wall_s: float, train_s: float, model: torch.nn.Module | None) -> dict:
         """``train_s``: the wall time of the training loop without evaluation."""
         summary = self.summary(wall_s, train_s)
         if self.run_dir is not None:
             write_json(self.run_dir / "summary.json", summary)
-            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
+            if model is not None:
+                torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
         if self.log is not None:
             self.log.close()
         first = summary["stats_from_step"]
         self.console.table(worker_stats(self.rows, first), summary["declared_speeds"], first)
         label = f"[{self.cfg.speed_schedule or self.cfg.speeds} {self.cfg.controller}] " if self.cfg.quiet else ""
+        accuracy = summary["test_accuracy"]
         self.console.info(
             f"{label}balance efficiency {summary['balance_efficiency']:.3f} (ideal step {summary['ideal_step_s'] * 1e3:.1f} ms, "
             f"measured {summary['mean_step_s'] * 1e3:.1f} ms) | {summary['samples_per_s']:.0f} samples/s | "
-            f"test accuracy {summary['test_accuracy']:.2%} | {summary['steps']} steps in {wall_s:.1f} s"
+            + (f"test accuracy {accuracy:.2%} | " if accuracy is not None else "")
+            + f"{summary['steps']} steps in {wall_s:.1f} s"
         )
         if self.run_dir is not None and not self.cfg.quiet:
             self.console.info(f"run directory: {self.run_dir}")
         return summary
 
     def summary(self, wall_s: float, train_s: float) -> dict:
-        steps = self.run.total_steps
+        steps = max(r.step for r in self.rows) + 1  # the run's length (it may have stopped early)
         first = steps // 2
         stats = worker_stats(self.rows, first)
         last = {s.rank: s.mean_compute_s for s in worker_stats(self.rows, steps - self.cfg.control_interval)}

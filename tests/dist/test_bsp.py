@@ -15,20 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnilearn.cli import main
+from cli_run import load_weights, train
 from omnilearn.rundir import read_metrics
 
 pytestmark = pytest.mark.dist
-
-
-def train(out: Path, *flags: str) -> dict:
-    code = main(["train", "--out", str(out), *flags])
-    assert code == 0
-    return json.loads((out / "summary.json").read_text())
-
-
-def load_weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "model.pt", weights_only=True)
 
 
 def test_one_worker_and_three_heterogeneous_workers_end_with_the_same_weights(tmp_path):

@@ -29,6 +29,11 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def grouped(self) -> bool:
+        """Whether collectives go through a process group (False: one process on its own)."""
+        return self.backend != "none"
+
     def synchronize(self) -> None:
         """Wait for queued device work, so host clocks measure it (CUDA only)."""
         if self.device.type == "cuda":
@@ -105,6 +110,35 @@ def init_from_torchrun(device_preference: str, timeout_s: float) -> DistContext:
         device_preference,
         timeout_s,
     )
+
+
+def single_process(device_preference: str) -> DistContext:
+    """A world of one without any process group (the API outside torchrun)."""
+    return DistContext(0, 1, 0, 1, pick_device(device_preference, 0, 1), "none")
+
+
+def from_existing_group(device_preference: str) -> DistContext:
+    """The caller already ran ``init_process_group``: use its group; NCCL means this rank's current GPU."""
+    env = os.environ
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend())
+    if backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif device_preference == "cuda":
+        raise RuntimeError(f"--device cuda asked for, but the process group uses {backend}; initialise it with nccl")
+    else:
+        device = torch.device("cpu")
+    return DistContext(rank, world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)),
+                       device, backend)
+
+
+def join(device_preference: str, timeout_s: float) -> DistContext:
+    """An existing process group, else torchrun's (from its environment), else a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return from_existing_group(device_preference)
+    if launched_by_torchrun():
+        return init_from_torchrun(device_preference, timeout_s)
+    return single_process(device_preference)
 
 
 def barrier() -> None:

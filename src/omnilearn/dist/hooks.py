@@ -35,13 +35,14 @@ class StepClock:
     device: torch.device = torch.device("cpu")
     start_s: float = 0.0
     start_cpu_s: float = 0.0
-    ready_s: float = 0.0  # when local gradients were ready (after any delay)
+    ready_s: float = 0.0  # when local gradients were ready (after any delay); 0: no hook ran
+    synced_s: float = 0.0  # when the last bucket's all-reduce had finished
     delay_s: float = 0.0
 
     def begin(self, weight: float, slowdown: float) -> None:
         self.weight, self.slowdown = weight, slowdown
         self.start_s, self.start_cpu_s = time.perf_counter(), time.process_time()
-        self.ready_s = self.delay_s = 0.0
+        self.ready_s = self.synced_s = self.delay_s = 0.0
 
     def native_s(self, now: float) -> float:
         """This step's compute so far on the real hardware."""
@@ -60,12 +61,30 @@ class StepClock:
             now = time.perf_counter()
         self.ready_s = now
 
+    def all_reduced(self, last: bool) -> None:
+        """A bucket's all-reduce finished (buckets may finish out of order: keep the latest)."""
+        if self.device.type == "cuda":
+            if not last:
+                return
+            torch.cuda.current_stream(self.device).synchronize()  # the reduction's stream, inside its callback
+        self.synced_s = max(self.synced_s, time.perf_counter())
+
+    def wait_s(self) -> float:
+        """This step's time spent waiting for peers in the gradient sync (0 without a hook)."""
+        return max(0.0, self.synced_s - self.ready_s) if self.ready_s else 0.0
+
 
 def weighted_allreduce_hook(clock, bucket):  # DDP rejects string annotations here
     """Register with ``ddp.register_comm_hook(clock, weighted_allreduce_hook)``; returns a Future."""
     buffer = bucket.buffer()
     buffer.mul_(clock.weight)
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         clock.local_grads_ready()
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+
+    def done(fut):
+        clock.all_reduced(last)
+        return fut.value()[0]
+
+    return work.get_future().then(done)

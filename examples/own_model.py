@@ -1,0 +1,103 @@
+"""Your own model and dataset with OmniLearn: a small transformer classifier.
+
+    torchrun --standalone --nproc-per-node 2 examples/own_model.py --speeds 3,1
+    python examples/own_model.py                # one process, no process group
+
+A plain DDP script differs in the lines marked ``# OmniLearn``: set-up,
+model wrapping, the data loader, and one call per step. Model, dataset,
+loss, optimizer and LR schedule are ordinary PyTorch. ``--speeds 3,1``
+emulates a worker three times slower than the other, so the controller has
+something to balance: watch the "rebalance" lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import omnilearn  # OmniLearn
+
+
+class MajorityToken(Dataset):
+    """Random token sequences; the label is whichever of tokens 0..classes-1 occurs most often."""
+
+    def __init__(self, samples: int, length: int = 32, vocab: int = 16, classes: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(vocab, (samples, length), generator=g)
+        counts = torch.stack([(self.x == c).sum(1) for c in range(classes)], dim=1)
+        self.y = (counts + torch.rand(counts.shape, generator=g) * 0.5).argmax(1)  # ties broken at random
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class TransformerClassifier(nn.Module):
+    def __init__(self, vocab: int = 16, classes: int = 4, length: int = 32, dim: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(1, length, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x) + self.pos).mean(dim=1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: MajorityToken, device: torch.device) -> tuple[float, float]:
+    model.eval()
+    logits, y = model(data.x.to(device)), data.y.to(device)
+    model.train()
+    return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--speeds", default=None, help="emulated relative worker speeds, e.g. 3,1 (default: all equal)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--global-batch", type=int, default=128)
+    p.add_argument("--out", default=None, help="write a run directory here (metrics, summary, plots input)")
+    args = p.parse_args()
+
+    ol = omnilearn.setup(global_batch=args.global_batch, speeds=args.speeds, control_interval=10,  # OmniLearn
+                         out=args.out, overwrite=True)
+    train, test = MajorityToken(4096, seed=1), MajorityToken(1024, seed=2)
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = ol.wrap_model(TransformerClassifier())  # OmniLearn: instead of DistributedDataParallel(model)
+    loader = ol.data_loader(train)  # OmniLearn: instead of DataLoader(train, sampler=DistributedSampler(...))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
+
+    for epoch in range(args.epochs):
+        for x, y in loader:
+            x, y = x.to(ol.device), y.to(ol.device)
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            ol.step(loss)  # OmniLearn: times the step; every 10 steps the controller may move batches
+        with ol.paused():
+            ol.sync_buffers()
+            test_loss, acc = evaluate(ol.module, test, ol.device)
+        ol.log_eval(test_loss, acc, epoch)
+        if ol.is_main:
+            print(f"epoch {epoch}: this worker's batch {ol.batches[ol.rank]}, test accuracy {acc:.1%}")
+
+    summary = ol.finish()  # OmniLearn: summary on rank 0, run directory if --out
+    if summary is not None:
+        print(f"final batches {ol.batches}, {summary['rebalances']} rebalances, "
+              f"balance efficiency {summary['balance_efficiency']:.2f}")
+    ol.close()  # OmniLearn: leaves the process group
+
+
+if __name__ == "__main__":
+    main()
