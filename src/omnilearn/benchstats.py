@@ -4,7 +4,9 @@ Per arm: the mean wall time per step (training loop, evaluation excluded),
 samples/s, ``T*`` and balance efficiency (see :mod:`omnilearn.efficiency`),
 each worker's mean wait, and for a dynamic routine the reaction time to each
 speed change. Across arms of one setting: speed-up over ``uniform`` and the
-ideal speed-up ``uniform step / T*``. Test: ``pytest tests/unit/test_benchstats.py``.
+ideal speed-up ``uniform step / T*``. For ``bench --mode asp``: accuracy at a
+training-time budget, staleness histograms, repeats as mean and range, and
+its table. Test: ``pytest tests/unit/test_benchstats.py``.
 """
 
 from __future__ import annotations
@@ -145,4 +147,88 @@ def markdown_table(results: Sequence[dict]) -> str:
             f"{_fmt(r.get('speedup'), '.2f')} | {_fmt(r.get('ideal_speedup'), '.2f')} | "
             f"{_fmt(r.get('balance_efficiency'), '.3f')} | {wait} | {react} | {settle} |"
         )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- bench --mode asp
+
+def eval_points(records: Iterable[dict]) -> list[tuple[float, float]]:
+    """(training time s, test accuracy) of every evaluation, in time order.
+
+    BSP: the eval's own ``wall_s``. ASP (``push`` records present): the
+    ``wall_s`` of the push that made the evaluated weights (version 0: 0 s),
+    so the final evaluation, taken after the last worker stopped, counts at
+    the moment the last update was applied, not when the stragglers returned.
+    """
+    records = list(records)
+    pushed = {r["version"]: r["wall_s"] for r in records if r.get("event") == "push"}
+    out = []
+    for r in records:
+        if r.get("event") != "eval" or not isinstance(r.get("test_accuracy"), (int, float)):
+            continue
+        if pushed and "version" in r:
+            t = 0.0 if r["version"] == 0 else pushed.get(r["version"], r["wall_s"])
+        else:
+            t = r["wall_s"]
+        out.append((float(t), float(r["test_accuracy"])))
+    return sorted(out, key=lambda p: p[0])
+
+
+def accuracy_at_time(points: Sequence[tuple[float, float]], budget_s: float) -> float | None:
+    """Test accuracy of the last evaluation at or before ``budget_s`` of training; ``None`` if none was."""
+    before = [(t, a) for t, a in points if t <= budget_s]
+    return max(before, key=lambda p: p[0])[1] if before else None
+
+
+def staleness_histogram(pushes: Iterable[dict], workers: int) -> list[list[int]]:
+    """``counts[w][s]``: pushes of worker ``w`` applied with staleness ``s``; all rows as long as the largest."""
+    counts: list[dict[int, int]] = [{} for _ in range(workers)]
+    for p in pushes:
+        row = counts[p["rank"]]
+        row[p["staleness"]] = row.get(p["staleness"], 0) + 1
+    top = max((s for row in counts for s in row), default=-1)
+    return [[row.get(s, 0) for s in range(top + 1)] for row in counts]
+
+
+def add_histograms(hists: Sequence[list[list[int]]]) -> list[list[int]]:
+    """Element-wise sum of per-worker histograms (repeats), padded to the longest."""
+    if not hists:
+        return []
+    width = max((len(row) for h in hists for row in h), default=0)
+    return [[sum(h[w][s] if s < len(h[w]) else 0 for h in hists) for s in range(width)]
+            for w in range(len(hists[0]))]
+
+
+def spread(values: Sequence[float | None]) -> dict:
+    """Mean, min and max of repeats; all ``None`` when any repeat has no value."""
+    if not values or any(v is None for v in values):
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": fmean(values), "min": min(values), "max": max(values)}
+
+
+def _pct(s: dict) -> str:
+    if s["mean"] is None:
+        return "–"
+    return f"{s['mean'] * 100:.1f}" + (f" ({s['min'] * 100:.1f}–{s['max'] * 100:.1f})" if s["max"] > s["min"] else "")
+
+
+def asp_markdown_table(results: Sequence[dict], budget_s: float, target: float | None) -> str:
+    """The ``bench --mode asp`` table, with a footnote on what each column means."""
+    goal = "target" if target is None else f"{target * 100:g}%"
+    lines = [f"| setting | HL table | arm | train s | final test acc % | acc % at budget | time to {goal} s | "
+             "mean staleness | max staleness | mean staleness per worker | updates/s per worker |", "|" + "---|" * 11]
+    for r in results:
+        tta = r.get("time_to_accuracy_s")
+        tta_text = "–" if target is None else "never" if tta["mean"] is None else f"{tta['mean']:.1f}"
+        rates = "/".join(f"{u:.1f}" for u in r.get("updates_per_s_per_worker") or []) or "–"
+        stale = "/".join(f"{u:.1f}" for u in r.get("mean_staleness_per_worker") or []) or "–"
+        lines.append(
+            f"| {r['setting']} | {r['levels']} | {r['arm']} | {r['train_s']['mean']:.1f} | "
+            f"{_pct(r['test_accuracy'])} | "
+            f"{_pct(r['accuracy_at_budget'])} | {tta_text} | {_fmt(r.get('mean_staleness'), '.2f')} | "
+            f"{_fmt(r.get('max_staleness'), 'd')} | {stale} | {rates} |")
+    lines.append(f"\nBudget {budget_s:g} s of training per arm (evaluation excluded). Accuracy: mean over repeats "
+                 "(min–max); at budget: the last evaluation at or before it. asp arms: the ASP HL table, "
+                 "bsp: the BSP table (synchronous: staleness 0, updates/s = steps/s). Mean staleness over all "
+                 "pushes is about workers - 1 whatever the balance; per worker and max show it.")
     return "\n".join(lines)

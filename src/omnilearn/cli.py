@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Sequence
 
 from omnilearn import __version__
-from omnilearn.config import (DEVICES, EMULATORS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, OPTIMIZERS, ConfigError, TrainConfig, build,
+from omnilearn.config import (ASP_DEFAULTS, DEVICES, EMULATORS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, MODES, OPTIMIZERS, ConfigError, TrainConfig, build,
                               dump_toml, load_toml)
 from omnilearn.data import DATASETS
 from omnilearn.models import MODELS, is_language_model
 from omnilearn.presets import load_preset, preset_names
+from omnilearn.asp import LR_SCALINGS
 from omnilearn.controller import CONTROLLERS
 from omnilearn.dist.group import device_problem, launched_by_torchrun, torchrun_world_size
 from omnilearn.rundir import RunDirError, prepare
@@ -60,11 +61,13 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--global-batch", type=int, help=f"samples per step over all workers (default {d['global_batch'].default})")
     add("--epochs", type=int, help=f"passes over the training set (default {d['epochs'].default})")
     add("--optimizer", choices=OPTIMIZERS, help="sgd (default, with --momentum) or adamw")
-    add("--lr", type=float, help=f"learning rate (default {d['lr'].default})")
+    add("--lr", type=float, help=f"learning rate (default {d['lr'].default}; asp: the rate of a push of B/n "
+        f"samples, default {ASP_DEFAULTS['lr']})")
     add("--lr-schedule", choices=LR_SCHEDULES, help="cosine (default) over the run, multistep (--milestones), constant")
     add("--milestones", help="multistep: epochs at which the rate is multiplied by --gamma, e.g. 15,30,45")
     add("--gamma", type=float, help=f"multistep decay factor (default {d['gamma'].default})")
-    add("--momentum", type=float, help=f"SGD momentum (default {d['momentum'].default})")
+    add("--momentum", type=float, help=f"SGD momentum (default {d['momentum'].default}; asp: "
+        f"{ASP_DEFAULTS['momentum']}, on the server)")
     add("--weight-decay", type=float, help="weight decay (default 0)")
     add("--seed", type=int, help="seed for model init and data order (default 0)")
     add("--emulator", choices=EMULATORS, help="how slower workers are emulated: delay (default, portable), "
@@ -79,6 +82,11 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--device", choices=DEVICES, help="auto (default: CUDA if present), cpu or cuda")
     add("--loader-workers", type=int, help="DataLoader worker processes per worker (default 0)")
     add("--timeout-s", type=float, help="seconds before a collective waiting on a dead peer fails (default 300)")
+    add("--mode", choices=MODES, help="bsp (default: synchronous, DDP) or asp (asynchronous: a parameter server "
+        "besides the --workers)")
+    add("--lr-scaling", choices=LR_SCALINGS, help="asp: scale each push's rate by its batch / (B / n) (linear, "
+        "default) or not (none)")
+    add("--staleness-lr", action="store_true", help="asp: also divide each push's rate by its staleness")
 
 
 def _train_parser(sub) -> None:
@@ -86,7 +94,8 @@ def _train_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
     _workload_args(p)
     add = p.add_argument
-    add("--max-steps", type=int, help="stop after this many steps (default: all epochs)")
+    add("--max-steps", type=int, help="stop after this many steps (default: all epochs; asp: steps x workers pushes)")
+    add("--max-time-s", type=float, help="asp: stop after this many seconds of training")
     add("--speeds", help="relative worker speeds, e.g. 4,2,1, or a level HL1/HL2/HL4/HL8 (default HL8 for 4 workers)")
     add("--speed-schedule", help="'paper' (HL1>2>4>8>8>4>2>1) or a TOML file of [[change]] at_step/at_epoch + speeds")
     add("--controller", choices=CONTROLLERS, help="omnilearn (default, dynamic), static or uniform")
@@ -95,17 +104,24 @@ def _train_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
+    from omnilearn import aspbench
     from omnilearn.bench import SETTINGS
 
-    p = sub.add_parser("bench", help="uniform vs static vs omnilearn (and plain DDP at HL1), side by side",
+    p = sub.add_parser("bench", help="uniform vs static vs omnilearn (and plain DDP at HL1), side by side; "
+                       "--mode asp: asynchronous uniform vs omnilearn (and omnilearn BSP) at equal training time",
                        argument_default=argparse.SUPPRESS)
     _workload_args(p)
     add = p.add_argument
-    add("--speeds", help=f"settings to run, comma-separated (default {','.join(SETTINGS)})")
+    add("--speeds", help=f"settings to run, comma-separated (default {','.join(SETTINGS)}; --mode asp: "
+        f"{','.join(aspbench.SETTINGS)}, --quick {','.join(aspbench.QUICK_SETTINGS)})")
     add("--quick", action="store_true", help="fewer steps per arm: a few minutes on 2 cores")
-    add("--repeats", type=int, help="run every arm this many times, rotating the order (default 1)")
-    add("--steps", type=int, help="steps per arm at a fixed setting (default 300, --quick 90)")
+    add("--repeats", type=int, help="run every arm this many times, rotating the order (default 1; --mode asp: "
+        "repeat k uses --seed + k)")
+    add("--steps", type=int, help="steps per arm at a fixed setting (default 300, --quick 90; --mode asp: steps of "
+        "the bsp arm, default: estimated to cover the time budget)")
     add("--block-steps", type=int, help="steps per block of the 8-block paper routine (default 60, --quick 40)")
+    add("--time-budget-s", type=float, help=f"--mode asp: seconds of training per arm (default "
+        f"{aspbench.BUDGET_S['full']:g}, --quick {aspbench.BUDGET_S['quick']:g})")
     add("--target-accuracy", type=float, help="also report time to this test accuracy (0-1) per arm")
     add("--out", help="bench directory (default runs/bench-<timestamp>)")
     add("--no-plots", dest="plots", action="store_false", help="do not render PNG plots at the end")
@@ -138,9 +154,13 @@ def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
     preset = values.get("preset", file_values.get("preset"))
     if preset is not None:
         preset_values = load_preset(preset)
+        if launched_by_torchrun():
+            preset_values.pop("workers", None)  # torchrun's world size decides
         file_values = {**preset_values, **file_values, "preset": preset_values["preset"]}
         values.pop("preset", None)
     merged = {**file_values, **values}
+    if merged.get("lr_schedule", TrainConfig.lr_schedule) != "multistep" and "milestones" not in values:
+        file_values.pop("milestones", None)  # a preset's milestones do not outlive its schedule
     if is_language_model(merged.get("model", TrainConfig.model)):
         file_values = {**LANGUAGE_MODEL_DEFAULTS, **file_values}
     if merged.get("speeds") is not None and merged.get("speed_schedule") is not None:
@@ -149,11 +169,9 @@ def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
     if isinstance(schedule, str) and schedule != "paper":
         values["speed_schedule"] = os.path.abspath(schedule)  # config.toml repeats the run from anywhere
     if launched_by_torchrun():
-        world = torchrun_world_size()
-        given = values.get("workers", file_values.get("workers"))
-        if given is not None and given != world:
-            raise ConfigError(f"--workers {given} does not match torchrun's WORLD_SIZE {world}; drop --workers")
-        values["workers"] = world
+        values["workers"] = _torchrun_workers(values, file_values)
+    if values.get("mode", file_values.get("mode")) == "asp":
+        file_values = {**ASP_DEFAULTS, **file_values}
     cfg = build(file_values, values)
     local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
     problem = device_problem(cfg.device, local_workers)
@@ -167,6 +185,25 @@ def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
         except ThrottleError as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def _torchrun_workers(values: dict, file_values: dict) -> int:
+    """Workers under torchrun: WORLD_SIZE, less the parameter server in ASP."""
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: launch with torchrun, "
+                          "or export the address and port of rank 0 (the server in --mode asp)")
+    asp = values.get("mode", file_values.get("mode")) == "asp"
+    world = torchrun_world_size()
+    workers = world - 1 if asp else world
+    if workers < 1:
+        raise ConfigError(f"--mode asp needs a server and at least one worker: WORLD_SIZE {world} is too small; "
+                          "use --nproc-per-node 2 or more")
+    given = values.get("workers", file_values.get("workers"))
+    if given is not None and given != workers:
+        raise ConfigError(f"--workers {given} does not match torchrun's WORLD_SIZE {world}"
+                          f"{' (one is the server)' if asp else ''}; drop --workers")
+    return workers
 
 
 def _plots(path: Path) -> None:
@@ -194,7 +231,8 @@ def train(args: argparse.Namespace) -> int:
             _plots(run_dir)
         return 0
     run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
-    print(f"omnilearn: {cfg.workers} workers, speeds {cfg.speeds}, controller {cfg.controller}, "
+    server = " + a parameter server (asp)" if cfg.mode == "asp" else ""
+    print(f"omnilearn: {cfg.workers} workers{server}, speeds {cfg.speeds}, controller {cfg.controller}, "
           f"global batch {cfg.global_batch}, run directory {run_dir}", flush=True)
     launch.run_local([launch.Job(cfg, run_dir)], run_dir)
     if getattr(args, "plots", True):
@@ -210,13 +248,20 @@ def bench(args: argparse.Namespace) -> int:
 
     if launched_by_torchrun():
         raise ConfigError("omnilearn bench launches its own local workers; run it without torchrun")
-    settings = bench_mod.parse_settings(getattr(args, "speeds", ",".join(bench_mod.SETTINGS)))
+    budget_s = vars(args).pop("time_budget_s", None)  # not a TrainConfig field
     repeats = getattr(args, "repeats", 1)
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats} must be at least 1")
     target = getattr(args, "target_accuracy", None)
     if target is not None and not 0 < target <= 1:
         raise ConfigError(f"--target-accuracy {target} must be a fraction in (0, 1], e.g. 0.9")
+    if getattr(args, "mode", "bsp") == "asp":
+        from omnilearn import aspbench
+
+        return aspbench.command(args, _config, _plots, budget_s, repeats, target)
+    if budget_s is not None:
+        raise ConfigError("--time-budget-s is only used with --mode asp; a BSP bench runs --steps per arm")
+    settings = bench_mod.parse_settings(getattr(args, "speeds", ",".join(bench_mod.SETTINGS)))
     base = _config(args, speeds=None, out=None, quiet=True)
     if "HL1" in settings and base.emulator not in ("delay", "none"):
         raise ConfigError(f"the plain-DDP arm at HL1 runs without OS throttles; use --emulator delay or drop HL1 "

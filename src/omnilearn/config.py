@@ -15,10 +15,11 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from omnilearn.allocation import InfeasibleBounds, check_feasible
+from omnilearn.asp import LR_SCALINGS
 from omnilearn.controller import CONTROLLERS
 from omnilearn.data import DATASETS
 from omnilearn.models import LANGUAGE_MODELS, MODELS, is_language_model
-from omnilearn.speeds import BSP_LEVELS, SpeedError, parse_speeds
+from omnilearn.speeds import ASP_LEVELS, BSP_LEVELS, SpeedError, parse_speeds
 from omnilearn.tomlfile import read_toml
 
 
@@ -31,8 +32,12 @@ EMULATORS = ("delay", "cgroup", "affinity", "docker", "none")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "adamw")
 # What the CLI starts from for a language model, under a preset, --config and flags: a CPU-friendly run.
+# What the CLI starts from in --mode asp: plain SGD on the server (with staleness ~n-1, server momentum 0.9
+# made balanced runs diverge here), at the rate of one push of B/n samples.
+ASP_DEFAULTS = {"momentum": 0.0, "lr": 0.05}
 LANGUAGE_MODEL_DEFAULTS = {"dataset": "text", "optimizer": "adamw", "lr": 3e-3, "global_batch": 128, "epochs": 1}
 LR_SCHEDULES = ("cosine", "multistep", "constant")
+MODES = ("bsp", "asp")
 
 
 @dataclass(frozen=True)
@@ -82,13 +87,14 @@ class BalanceConfig:
         if self.workers is not None:
             try:
                 check_feasible(self.global_batch, self.workers, self.min_batch, self.upper_batch)
-                parse_speeds(self.speeds, self.workers, BSP_LEVELS)
+                parse_speeds(self.speeds, self.workers, self.levels)
             except (InfeasibleBounds, SpeedError) as e:
                 raise ConfigError(str(e)) from None
 
     def _check_emulator(self) -> None:
         names = [c.strip() for c in self.containers.split(",")] if self.containers else []
-        if self.emulator == "docker" and (len(names) != self.workers or not all(names)):
+        if self.emulator == "docker" and ((self.workers is not None and len(names) != self.workers) or not all(names)
+                                          or not names):
             raise ConfigError(f"--emulator docker needs --containers with one name per worker ({self.workers}), "
                               f"got {self.containers!r}")
         if self.containers is not None and self.emulator != "docker":
@@ -103,10 +109,15 @@ class BalanceConfig:
         return self.global_batch if self.max_batch is None else self.max_batch
 
     @property
+    def levels(self) -> dict[str, tuple[float, ...]]:
+        """What HL1..HL8 mean: the paper's BSP table."""
+        return BSP_LEVELS
+
+    @property
     def declared_speeds(self) -> tuple[float, ...]:
         if self.workers is None:
             raise ValueError("the number of workers is not known yet")
-        return parse_speeds(self.speeds, self.workers, BSP_LEVELS)
+        return parse_speeds(self.speeds, self.workers, self.levels)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -136,11 +147,18 @@ class TrainConfig(BalanceConfig):
     milestones: str | None = None  # multistep: epochs at which the rate is multiplied by gamma, e.g. "15,30,45"
     gamma: float = 0.1
     loader_workers: int = 0
+    mode: str = "bsp"  # bsp: synchronous, DDP; asp: asynchronous, a parameter server besides the workers
+    lr_scaling: str = "linear"  # asp: each push's rate times b_i / (B / n), or "none"
+    staleness_lr: bool = False  # asp: also divide each push's rate by its staleness
+    max_time_s: float | None = None  # asp: stop after this much training time (the bench's equal budget)
 
     def __post_init__(self) -> None:
         if self.speeds is None and isinstance(self.workers, int):
             object.__setattr__(self, "speeds", "HL8" if self.workers == 4 else None)
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         super().__post_init__()
+        self._check_asp()
         _positive(self, "epochs", "lr", "image_size", "seq_len")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"--max-steps {self.max_steps} must be at least 1 (or omit it to run --epochs)")
@@ -166,6 +184,26 @@ class TrainConfig(BalanceConfig):
         if (self.input_shape is not None or self.num_classes is not None) and self.dataset != "synthetic":
             raise ConfigError(f"--input-shape and --num-classes describe --dataset synthetic; drop them for "
                               f"--dataset {self.dataset}")
+
+    @property
+    def levels(self) -> dict[str, tuple[float, ...]]:
+        """HL1..HL8 from the paper's BSP or ASP table, by mode (ASP's server is not counted)."""
+        return ASP_LEVELS if self.mode == "asp" else BSP_LEVELS
+
+    def _check_asp(self) -> None:
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ConfigError(f"unknown lr_scaling {self.lr_scaling!r}; choose one of {', '.join(LR_SCALINGS)}")
+        if self.mode == "bsp":
+            for name, default in (("lr_scaling", "linear"), ("staleness_lr", False), ("max_time_s", None)):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"--{name.replace('_', '-')} is only used with --mode asp")
+            return
+        if self.emulator not in ("delay", "none"):
+            raise ConfigError(f"--mode asp emulates speeds with --emulator delay or none, not {self.emulator}")
+        if self.loader_workers:
+            raise ConfigError("--mode asp workers read their batches directly; drop --loader-workers")
+        if self.max_time_s is not None and self.max_time_s <= 0:
+            raise ConfigError(f"--max-time-s {self.max_time_s:g} must be positive")
 
     @property
     def milestone_epochs(self) -> tuple[int, ...]:

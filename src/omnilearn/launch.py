@@ -32,7 +32,10 @@ class WorkerFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Job:
-    """One training run in a launch: ``kind`` is ``omnilearn`` or ``ddp`` (the plain-DDP baseline)."""
+    """One training run in a launch: ``kind`` is ``omnilearn`` or ``ddp`` (the plain-DDP baseline).
+
+    An ``omnilearn`` job with ``--mode asp`` runs a parameter server (rank 0) besides the workers.
+    """
 
     cfg: TrainConfig
     run_dir: Path
@@ -45,9 +48,18 @@ def _run_job(job: Job, ctx: group.DistContext) -> dict | None:
         from omnilearn.plainddp import train_plain_ddp
 
         return train_plain_ddp(job.cfg, ctx, run_dir)
+    if job.cfg.mode == "asp":
+        from omnilearn.asptrainer import train_asp
+
+        return train_asp(job.cfg, ctx, run_dir)
     from omnilearn.trainer import BSPTrainer
 
     return BSPTrainer(job.cfg, ctx, run_dir).fit()
+
+
+def processes(cfg: TrainConfig) -> int:
+    """Processes in the group: the workers, plus the parameter server in ASP."""
+    return cfg.workers + (1 if cfg.mode == "asp" else 0)
 
 
 def _run_rank(join: Callable[[], group.DistContext], rank: int, jobs: Sequence[Job], log_dir: Path | None) -> None:
@@ -69,7 +81,8 @@ def _spawned(local_rank: int, jobs: Sequence[Job], log_dir: Path, init_method: s
     cfg = jobs[0].cfg
 
     def join() -> group.DistContext:
-        return group.init(local_rank, cfg.workers, local_rank, cfg.workers, cfg.device, cfg.timeout_s, init_method)
+        n = processes(cfg)
+        return group.init(local_rank, n, local_rank, n, cfg.device, cfg.timeout_s, init_method, _backend(cfg))
 
     _run_rank(join, local_rank, jobs, log_dir)
 
@@ -90,7 +103,7 @@ def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # we report failures ourselves
     try:
         mp.start_processes(
-            _spawned, args=(list(jobs), log_dir, f"file://{store}/store"), nprocs=jobs[0].cfg.workers, join=True,
+            _spawned, args=(list(jobs), log_dir, f"file://{store}/store"), nprocs=processes(jobs[0].cfg), join=True,
             start_method="spawn",
         )
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
@@ -118,4 +131,10 @@ def _cleanup_cgroups(run: str) -> None:
 def run_torchrun(jobs: Sequence[Job], log_dir: Path | None) -> None:
     """This process is one rank of a torchrun job; the run directories matter on rank 0 only."""
     cfg = jobs[0].cfg
-    _run_rank(lambda: group.init_from_torchrun(cfg.device, cfg.timeout_s), int(os.environ["RANK"]), jobs, log_dir)
+    _run_rank(lambda: group.init_from_torchrun(cfg.device, cfg.timeout_s, _backend(cfg)), int(os.environ["RANK"]),
+              jobs, log_dir)
+
+
+def _backend(cfg: TrainConfig) -> str | None:
+    """ASP talks point-to-point with CPU tensors: gloo, whatever the workers' device."""
+    return "gloo" if cfg.mode == "asp" else None

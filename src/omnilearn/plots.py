@@ -1,7 +1,8 @@
 """Matplotlib drawing for ``omnilearn.report``: one function per PNG, Agg backend, no data reading.
 
 Each function takes ready-made series, saves one figure (dpi 110), closes it
-and returns the path. Use it through ``omnilearn.report.render``:
+and returns the path (ASP runs and benches: :mod:`omnilearn.aspplots`). Use
+it through ``omnilearn.report.render``:
 
     omnilearn report runs/demo
 """
@@ -114,11 +115,11 @@ def step_time(path: Path, data: RunData, measured_ms: Sequence[float], ideal_ms:
 
 
 def loss_accuracy(path: Path, time_s: Sequence[float], loss: Sequence[float], eval_s: Sequence[float],
-                  accuracy: Sequence[float | None]) -> Path:
+                  accuracy: Sequence[float | None], xlabel: str = "training time (s, sum of step times)",
+                  loss_label: str = "train loss (batch-weighted over workers)") -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
-    line = ax.plot(time_s, loss, color="tab:blue", marker=_marker(len(time_s)), linewidth=1.5,
-                   label="train loss (batch-weighted over workers)")
-    ax.set_xlabel("training time (s, sum of step times)")
+    line = ax.plot(time_s, loss, color="tab:blue", marker=_marker(len(time_s)), linewidth=1.5, label=loss_label)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("train loss (cross-entropy)")
     ax.grid(alpha=0.3)
     handles = list(line)

@@ -28,4 +28,5 @@ def load_preset(name: str) -> dict[str, Any]:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())} or give a .toml file")
     values = load_toml(str(path))
     values.pop("preset", None)
-    return {**values, "preset": path.stem}
+    builtin = path.parent.resolve() == PRESET_DIR.resolve()
+    return {**values, "preset": path.stem if builtin else str(path.resolve())}  # config.toml can load it again

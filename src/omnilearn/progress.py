@@ -41,6 +41,10 @@ class Console:
             self._open_line = False
         self.stream.flush()
 
+    def line(self, text: str, transient: bool = False) -> None:
+        """A progress line (``transient``: rewritten in place on a terminal); nothing when quiet."""
+        self._emit(text, transient)
+
     def info(self, text: str) -> None:
         if self._open_line:
             self.stream.write("\r\033[K")

@@ -4,7 +4,8 @@
 
 - a train run (``metrics.jsonl``, optional ``summary.json``) -> ``batches.png``,
   ``compute_wait.png``, ``step_time.png``, ``loss_accuracy.png``;
-- a bench (``bench.json``) -> ``speedup.png``, ``efficiency.png``.
+- a bench (``bench.json``) -> ``speedup.png``, ``efficiency.png``;
+- an ASP run or ``bench --mode asp`` -> see :mod:`omnilearn.aspreport`.
 
 The PNGs are written next to the data and their paths returned. Reading and
 per-step arithmetic live here (pure, tested); the drawing is in
@@ -257,11 +258,13 @@ def _table(settings, arms, results, key) -> dict[tuple[str, str], float | None]:
 
 def render(path: Path) -> list[Path]:
     """Draw a bench directory (``bench.json``) or a train run directory (``metrics.jsonl``)."""
+    from omnilearn import aspreport  # ASP runs and benches (it imports this module)
+
     path = Path(path)
     if (path / "bench.json").is_file():
-        return render_bench(path)
+        return aspreport.render_asp_bench(path) if aspreport.is_asp_bench(path) else render_bench(path)
     if (path / "metrics.jsonl").is_file():
-        return render_run(path)
+        return aspreport.render_asp_run(path) if aspreport.is_asp_run(path) else render_run(path)
     if path.is_dir():
         raise ReportError(f"{path} holds neither metrics.jsonl (a train run) nor bench.json (a bench run)")
     what = "is not a directory" if path.exists() else "does not exist"
@@ -269,15 +272,24 @@ def render(path: Path) -> list[Path]:
                       "or bench.json (a bench run)")
 
 
-def write_tensorboard(run_dir: Path, logdir: Path) -> None:
-    """Write a run's per-step scalars to ``logdir`` for TensorBoard (needs the ``tensorboard`` package)."""
-    data = load_run(Path(run_dir))
+def summary_writer(logdir: Path):
+    """A TensorBoard ``SummaryWriter`` into ``logdir``; a one-line error without the package."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise ReportError("writing TensorBoard scalars needs the tensorboard package: "
                           "pip install tensorboard") from None
-    writer = SummaryWriter(log_dir=str(logdir))
+    return SummaryWriter(log_dir=str(logdir))
+
+
+def write_tensorboard(run_dir: Path, logdir: Path) -> None:
+    """Write a run's per-step scalars to ``logdir`` for TensorBoard (needs the ``tensorboard`` package)."""
+    from omnilearn import aspreport
+
+    if (Path(run_dir) / "metrics.jsonl").is_file() and aspreport.is_asp_run(Path(run_dir)):
+        return aspreport.write_asp_tensorboard(Path(run_dir), logdir)
+    data = load_run(Path(run_dir))
+    writer = summary_writer(logdir)
     try:
         for i, step in enumerate(data.steps):
             for rank in data.ranks:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnilearn.config import BalanceConfig, ConfigError, TrainConfig
-from omnilearn.speeds import BSP_LEVELS, SpeedError, SpeedSchedule, load_schedule, paper_schedule
+from omnilearn.speeds import SpeedError, SpeedSchedule, load_schedule, paper_schedule
 
 PREFETCH_FACTOR = 2  # DataLoader batches in flight per loader worker (the CLI's setting)
 MIN_STEPS_PER_DECISION = 3  # steps at the current batches a decision needs
@@ -63,5 +63,5 @@ def _speed_schedule(cfg: BalanceConfig, total: int | None, spe: int) -> SpeedSch
     if cfg.speed_schedule == "paper":
         if total is None:
             raise ConfigError("speed_schedule 'paper' needs the run length: pass total_steps to omnilearn.setup()")
-        return paper_schedule(total, cfg.workers, BSP_LEVELS)
-    return load_schedule(cfg.speed_schedule, cfg.workers, spe, BSP_LEVELS)
+        return paper_schedule(total, cfg.workers, cfg.levels)
+    return load_schedule(cfg.speed_schedule, cfg.workers, spe, cfg.levels)

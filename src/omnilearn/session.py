@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import sys
 import time
 import zlib
@@ -52,6 +51,7 @@ from omnilearn.runplan import RunPlan, plan_run
 from omnilearn.sampler import BatchSchedule, GlobalPlan, VariableBatchSampler
 from omnilearn.speeds import slowdown
 from omnilearn.telemetry import Telemetry
+from omnilearn.throttle import for_run
 
 # Buffers are averaged by the session, not copied from rank 0 every forward (the flag's name changed in torch 2.13).
 _NO_BUFFER_BROADCAST = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
@@ -94,7 +94,7 @@ class Session:
         self.loader: BalancedLoader | None = None
         self.run: RunPlan | None = None
         self.telemetry: Telemetry | None = None
-        self.throttle = _throttle(cfg, ctx)
+        self.throttle = for_run(cfg, ctx.rank, ctx.local_rank, ctx.local_world_size)
         self.window: list[list[float]] = []  # this rank's rows of the current interval
         self.history: list[list[tuple[int, float]]] = [[] for _ in range(ctx.world_size)]  # since last change
         self._next_step, self._open_step = 0, None
@@ -230,8 +230,13 @@ class Session:
 
     def sync_buffers(self) -> None:
         """Make buffers (BatchNorm statistics) equal everywhere: their batch-share-weighted average."""
-        if self.model is not None and self.ctx.grouped:
-            average_buffers(self.ctx, list(self.model.buffers()), self.clock.weight)
+        if self.model is None or not self.ctx.grouped:
+            return
+        if self.loader is None:
+            weight = 1.0 / self.world_size
+        else:  # the shares of the last step begun (the first before any): they sum to 1 over the ranks
+            weight = self.schedule.peek(max(self._next_step - 1, 0))[self.rank] / self.cfg.global_batch
+        average_buffers(self.ctx, list(self.model.buffers()), weight)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -303,21 +308,3 @@ class BalancedLoader:
         for step in steps:
             self.session._begin(step)
             yield next(batches)
-
-
-def run_id() -> str:
-    """Shared by every rank of a launch: names the run's cgroups."""
-    if "OMNILEARN_RUN_ID" in os.environ:
-        return os.environ["OMNILEARN_RUN_ID"]
-    return f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ.get('MASTER_PORT', '0')}"
-
-
-def _throttle(cfg: BalanceConfig, ctx: group.DistContext):
-    """The OS-level speed emulator for ``--emulator cgroup|affinity|docker``, else None."""
-    if cfg.emulator not in ("cgroup", "affinity", "docker"):
-        return None
-    from omnilearn.throttle import make_throttle
-
-    containers = tuple(cfg.containers.split(",")) if cfg.containers else ()
-    return make_throttle(cfg.emulator, ctx.rank, ctx.local_rank, ctx.local_world_size, run_id(), containers,
-                         cfg.throttle_cpus)

@@ -103,16 +103,18 @@ class Telemetry:
         return summary
 
     def summary(self, wall_s: float, train_s: float) -> dict:
-        steps = max(r.step for r in self.rows) + 1  # the run's length (it may have stopped early)
-        first = steps // 2
+        done = sorted(by_step(self.rows))  # the steps run (an API loop may skip the rest of an epoch)
+        steps = len(done)
+        first = done[steps // 2]
         stats = worker_stats(self.rows, first)
-        last = {s.rank: s.mean_compute_s for s in worker_stats(self.rows, steps - self.cfg.control_interval)}
+        last = {s.rank: s.mean_compute_s
+                for s in worker_stats(self.rows, done[max(0, steps - self.cfg.control_interval)])}
         half = [v for s, v in by_step(self.rows).items() if s >= first]
         declared = self.speed_changes[-1][1] if self.speed_changes[-1][0] <= first else None
         return {
             "steps": steps, "wall_s": wall_s, "train_s": train_s, "wall_step_s": train_s / steps,
             "samples_per_s": steps * self.cfg.global_batch / train_s,
-            "final_train_loss": self.train_loss[steps - 1], "test_accuracy": self.last_eval.get("test_accuracy"),
+            "final_train_loss": self.train_loss[done[-1]], "test_accuracy": self.last_eval.get("test_accuracy"),
             "test_loss": self.last_eval.get("test_loss"), "controller": self.cfg.controller,
             "rebalances": self.decisions, "stats_from_step": first,
             "balance_efficiency": balance_efficiency(self.rows, first),

@@ -228,3 +228,18 @@ def make_throttle(name: str, rank: int, local_rank: int, local_world_size: int, 
         return AffinityThrottle(os.getpid(), rank, local_rank, local_world_size)
     share = cpus or usable / max(1, len(containers))
     return DockerThrottle(containers, share, active=local_rank == 0)
+
+
+def run_id() -> str:
+    """Shared by every rank of a launch: names the run's cgroups."""
+    if "OMNILEARN_RUN_ID" in os.environ:
+        return os.environ["OMNILEARN_RUN_ID"]
+    return f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ.get('MASTER_PORT', '0')}"
+
+
+def for_run(cfg, rank: int, local_rank: int, local_world_size: int) -> Throttle | None:
+    """The OS-level speed emulator a config asks for (``--emulator cgroup|affinity|docker``), else None."""
+    if cfg.emulator not in ("cgroup", "affinity", "docker"):
+        return None
+    containers = tuple(cfg.containers.split(",")) if cfg.containers else ()
+    return make_throttle(cfg.emulator, rank, local_rank, local_world_size, run_id(), containers, cfg.throttle_cpus)

@@ -91,6 +91,19 @@ def test_misuse_gets_a_clear_error():
         omnilearn.setup(global_batch=512, device="cpu").data_loader(ListData(96))
 
 
+def test_an_epoch_cut_short_counts_only_the_steps_run():
+    ol = omnilearn.setup(global_batch=8, control_interval=3, device="cpu")
+    model = ol.wrap_model(nn.Linear(6, 3))
+    loader = ol.data_loader(ListData())
+    for _ in range(3):
+        for k, (x, y) in enumerate(loader):
+            F.cross_entropy(model(x), y).backward()
+            ol.step()
+            if k == 1:
+                break
+    assert ol.finish()["steps"] == 6
+
+
 class BNNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -107,6 +120,8 @@ def _bn_worker(rank: int, store: str, out: str) -> None:
     torch.manual_seed(0)
     model = ol.wrap_model(BNNet())
     loader = ol.data_loader(ListData(480))
+    ol.sync_buffers()  # before any step: the shares still sum to one, nothing is scaled
+    assert torch.equal(ol.module.body[1].running_var, torch.ones(16))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(2):
         for x, y in loader:

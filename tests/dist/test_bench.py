@@ -1,6 +1,9 @@
 """``omnilearn bench`` end to end on a tiny budget, and ``omnilearn report`` on its output.
 
-Run: ``python -m pytest -q tests/dist/test_bench.py`` (about a minute on 2 cores).
+Also ``bench --mode asp`` (uniform and omnilearn ASP arms plus an OmniLearn
+BSP arm at equal training time) and its one-line errors.
+
+Run: ``python -m pytest -q tests/dist/test_bench.py`` (about two minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -38,3 +41,58 @@ def test_bench_runs_every_arm_and_writes_json_table_and_plots(tmp_path, capsys):
     # A second bench into the same directory is refused, and the first is left as it was.
     assert main(["bench", "--quick", "--speeds", "HL1", "--out", str(out)]) == 2
     assert json.loads((out / "bench.json").read_text()) == bench
+
+
+def test_asp_bench_runs_three_arms_at_equal_time_and_writes_json_table_and_plots(tmp_path, capsys):
+    out = tmp_path / "asp"
+    code = main(["bench", "--mode", "asp", "--quick", "--speeds", "HL8", "--time-budget-s", "3",
+                 "--control-interval", "5", "--target-accuracy", "0.05", "--out", str(out)])
+    assert code == 0
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["train_mode"] == "asp" and bench["time_budget_s"] == 3.0 and bench["lr_schedule"] == "constant"
+    assert bench["bsp_lr"] == 0.05 and bench["bsp_momentum"] == 0.9 and bench["lr"] == 0.05  # BSP vs ASP defaults
+    by = {r["arm"]: r for r in bench["results"]}
+    assert [(r["setting"], r["arm"], r["levels"]) for r in bench["results"]] == [
+        ("HL8", "uniform", "asp"), ("HL8", "omnilearn", "asp"), ("HL8", "bsp", "bsp")]
+    for arm in ("uniform", "omnilearn"):
+        r = by[arm]
+        assert r["train_s"]["mean"] == pytest.approx(3.0, abs=0.5)
+        assert r["max_staleness"] >= r["mean_staleness"] >= 0 and len(r["updates_per_s_per_worker"]) == 4
+        assert [sum(row) for row in r["staleness_histogram"]] == pytest.approx(
+            [u * r["train_s"]["mean"] for u in r["updates_per_s_per_worker"]], abs=1)
+        assert 0 <= r["accuracy_at_budget"]["mean"] <= 1 and r["accuracy_at_budget"]["per_repeat"] == [
+            r["accuracy_at_budget"]["mean"]]
+        assert r["time_to_accuracy_s"]["mean"] is not None  # 5% is reached at the first evaluation
+    uniform_pushes = [json.loads(line) for line in (out / "HL8-uniform" / "metrics.jsonl").read_text().splitlines()]
+    assert {p["batch"] for p in uniform_pushes if p["event"] == "push"} <= set(range(1, 129))  # B/n, or an epoch's end
+    assert not any(d.get("changed") for d in uniform_pushes if d["event"] == "decision")
+    assert by["bsp"]["max_staleness"] == 0 and by["bsp"]["staleness_histogram"] is None
+    assert by["bsp"]["accuracy_at_budget"]["mean"] is not None
+    table = capsys.readouterr().out
+    assert "| HL8 | asp | omnilearn |" in table and "| HL8 | bsp | bsp |" in table
+    assert (out / "bench.md").read_text().startswith("| setting | HL table | arm |")
+    for png in ("accuracy.png", "accuracy-HL8.png", "staleness-HL8.png", "HL8-omnilearn/staleness.png",
+                "HL8-uniform/batches.png", "HL8-bsp/batches.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--speeds", "HL3"], "unknown bench setting"),
+    (["--speeds", "paper"], "fixed levels"),
+    (["--time-budget-s", "0"], "--time-budget-s 0 must be a positive"),
+    (["--time-budget-s", "-2"], "must be a positive"),
+    (["--emulator", "cgroup"], "--mode asp emulates speeds with --emulator delay or none"),
+    (["--block-steps", "5"], "--block-steps is for the paper routine"),
+    (["--steps", "0"], "the bsp arm's steps"),
+    (["--repeats", "0"], "--repeats 0 must be at least 1"),
+])
+def test_asp_bench_bad_input_is_one_line(tmp_path, capsys, flags, match):
+    assert main(["bench", "--mode", "asp", "--out", str(tmp_path / "b"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omnilearn: error: ") and match in err and err.count("\n") == 1
+    assert not (tmp_path / "b").exists()
+
+
+def test_time_budget_needs_asp(tmp_path, capsys):
+    assert main(["bench", "--time-budget-s", "5", "--out", str(tmp_path / "b")]) == 2
+    assert "--time-budget-s is only used with --mode asp" in capsys.readouterr().err

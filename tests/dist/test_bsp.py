@@ -62,12 +62,13 @@ def test_run_directory_holds_config_metrics_summary_and_model(tmp_path):
 
 def test_delay_emulation_slows_compute_and_makes_the_fast_worker_wait(tmp_path):
     out = tmp_path / "uniform"
-    train(out, "--workers", "2", "--speeds", "3,1", "--controller", "uniform", "--max-steps", "30",
+    train(out, "--workers", "2", "--speeds", "4,1", "--controller", "uniform", "--max-steps", "30",
           "--global-batch", "256")
     rows = [r for r in read_metrics(out, "step") if r["step"] >= 5]
     compute = [sum(r["compute_s"] for r in rows if r["rank"] == k) / len(rows) * 2 for k in (0, 1)]
     wait = [sum(r["wait_s"] for r in rows if r["rank"] == k) / len(rows) * 2 for k in (0, 1)]
-    # Worker 1 emulates a machine 3x slower: its compute is longer, and the fast worker waits for it.
+    # Worker 1 emulates a machine 4x slower: its compute is longer, and the fast worker waits for it. (Only
+    # 2x is asserted: the fast worker's wall-clock compute also counts waits for a core on a busy host.)
     assert compute[1] > 2 * compute[0]
     assert wait[0] > 0.5 * (compute[1] - compute[0])
     assert all(r["batch"] == 128 for r in rows)

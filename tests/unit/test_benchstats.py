@@ -12,7 +12,11 @@ Checked against hand-computed values on small synthetic BSP runs:
   with one worker 20% off;
 - ``arm_figures`` takes ``mean_step_s``/``samples_per_s`` from ``wall_step_s``
   and the rest from steps ``>= first_step``;
-- ``add_speedups`` and ``markdown_table``.
+- ``add_speedups`` and ``markdown_table``;
+- ``bench --mode asp``: ``eval_points`` (an ASP eval counts at the time of
+  the push that made its weights), ``accuracy_at_time``,
+  ``staleness_histogram`` / ``add_histograms``, ``spread`` and
+  ``asp_markdown_table``.
 
 Synthetic BSP steps: all workers' steps end together at ``max compute + sync``,
 so ``wait_i = end - compute_i`` and ``step_s_i = end``; then
@@ -359,3 +363,93 @@ def test_settle_steps_counts_to_the_blocks_own_settled_time():
     rows = dynamic_run([0, 20, 40], 60, [4, 0, 7])
     assert settle_steps(rows, [0, 20, 40], 60) == [4, 0, 7]
     assert settle_steps(rows, [0, 20, 40], 60, window=5) == reaction_steps(rows, [0, 20, 40], 60)
+
+
+# ---------------------------------------------------------------- bench --mode asp
+
+from omnilearn.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, eval_points,  # noqa: E402
+                                  spread, staleness_histogram)
+
+
+def push(version, rank, staleness, wall_s):
+    return {"event": "push", "version": version, "rank": rank, "batch": 64, "staleness": staleness,
+            "wall_s": wall_s}
+
+
+def test_eval_points_bsp_uses_the_evals_own_time():
+    records = [{"event": "eval", "step": 40, "wall_s": 2.0, "test_accuracy": 0.5},
+               {"event": "step", "step": 0}, {"event": "eval", "step": 20, "wall_s": 1.0, "test_accuracy": 0.3},
+               {"event": "eval", "step": 60, "wall_s": 3.0, "test_accuracy": None}]
+    assert eval_points(records) == [(1.0, 0.3), (2.0, 0.5)]
+
+
+def test_eval_points_asp_counts_at_the_push_that_made_the_weights():
+    # The final eval is taken once the slow worker came back (wall_s 5.6), but its weights are those of
+    # version 3, applied at 4.9 s of training: it counts at 4.9.
+    records = [{"event": "eval", "version": 0, "wall_s": 0.2, "test_accuracy": 0.1},
+               push(1, 0, 0, 1.0), push(2, 1, 1, 2.5),
+               {"event": "eval", "epoch": 0, "version": 2, "wall_s": 2.6, "test_accuracy": 0.4},
+               push(3, 0, 1, 4.9), {"event": "eval", "epoch": 1, "version": 3, "wall_s": 5.6, "test_accuracy": 0.6}]
+    assert eval_points(records) == [(0.0, 0.1), (2.5, 0.4), (4.9, 0.6)]
+    assert accuracy_at_time(eval_points(records), 5.0) == 0.6
+
+
+def test_accuracy_at_time_is_the_last_evaluation_by_the_budget():
+    points = [(1.0, 0.3), (2.0, 0.5), (3.0, 0.4)]
+    assert accuracy_at_time(points, 2.5) == 0.5
+    assert accuracy_at_time(points, 3.0) == 0.4  # at the budget counts
+    assert accuracy_at_time(points, 100.0) == 0.4  # not the best one: the last one
+    assert accuracy_at_time(points, 0.5) is None
+    assert accuracy_at_time([], 1.0) is None
+
+
+def test_staleness_histogram_hand_computed():
+    pushes = [push(1, 0, 0, 0.1), push(2, 1, 2, 0.2), push(3, 0, 1, 0.3), push(4, 1, 2, 0.4), push(5, 0, 1, 0.5)]
+    assert staleness_histogram(pushes, 3) == [[1, 2, 0], [0, 0, 2], [0, 0, 0]]
+    assert staleness_histogram([], 2) == [[], []]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9)), max_size=60))
+def test_staleness_histogram_counts_every_push_once(pairs):
+    hist = staleness_histogram([push(v, w, s, 0.0) for v, (w, s) in enumerate(pairs)], 4)
+    assert len({len(row) for row in hist}) == 1
+    for w in range(4):
+        mine = [s for r, s in pairs if r == w]
+        assert sum(hist[w]) == len(mine)
+        assert sum(s * c for s, c in enumerate(hist[w])) == sum(mine)
+
+
+def test_add_histograms_pads_to_the_longest():
+    assert add_histograms([[[1, 2], [0, 1]], [[0, 0, 3], [1]]]) == [[1, 2, 3], [1, 1, 0]]
+    assert add_histograms([]) == []
+
+
+def test_spread():
+    assert spread([0.5, 0.7, 0.6]) == {"mean": pytest.approx(0.6), "min": 0.5, "max": 0.7}
+    assert spread([0.5, None]) == {"mean": None, "min": None, "max": None}
+    assert spread([]) == {"mean": None, "min": None, "max": None}
+
+
+def asp_row(arm, levels, acc, stale, target_s):
+    return {"setting": "HL8", "arm": arm, "levels": levels, "train_s": spread([10.0, 10.2]),
+            "test_accuracy": spread(acc), "accuracy_at_budget": spread(acc),
+            "time_to_accuracy_s": spread(target_s), "mean_staleness": stale[0], "max_staleness": stale[1],
+            "mean_staleness_per_worker": [4.0, 4.0, 4.0, 2.0] if levels == "asp" else [0.0] * 4,
+            "updates_per_s_per_worker": [10.0, 10.0, 10.0, 30.25]}
+
+
+def test_asp_markdown_table():
+    rows = [asp_row("uniform", "asp", [0.6, 0.64], (3.5, 12), [4.0, None]),
+            asp_row("omnilearn", "asp", [0.7, 0.7], (2.0, 5), [3.0, 5.0]),
+            asp_row("bsp", "bsp", [0.72, 0.74], (0.0, 0), [2.0, 2.0])]
+    lines = asp_markdown_table(rows, 10.0, 0.5).splitlines()
+    assert lines[0].startswith("| setting | HL table | arm | train s | final test acc % | acc % at budget | "
+                               "time to 50% s |")
+    assert lines[2] == "| HL8 | asp | uniform | 10.1 | 62.0 (60.0–64.0) | 62.0 (60.0–64.0) | never | 3.50 | 12 | " \
+                       "4.0/4.0/4.0/2.0 | 10.0/10.0/10.0/30.2 |"
+    assert lines[3].split(" | ")[4:7] == ["70.0", "70.0", "4.0"]  # equal repeats: no range
+    assert lines[4].split(" | ")[1:3] == ["bsp", "bsp"]
+    assert "Budget 10 s of training per arm" in lines[-1] and lines[-2] == ""
+    no_target = asp_markdown_table(rows, 10.0, None).splitlines()
+    assert "time to target s" in no_target[0] and no_target[2].split(" | ")[6] == "–"

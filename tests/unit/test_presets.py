@@ -61,3 +61,23 @@ def test_unknown_preset_names_the_choices(tmp_path):
 
 def test_presets_ship_with_the_package():
     assert PRESET_DIR.name == "presets" and len(list(PRESET_DIR.glob("*.toml"))) == len(PAPER_WORKLOADS)
+
+
+def test_under_torchrun_the_world_size_beats_the_presets_worker_count(monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    assert _cfg("--preset", "resnet18-food101").workers == 2
+    with pytest.raises(ConfigError, match="--workers 3 does not match"):
+        _cfg("--preset", "resnet18-food101", "--workers", "3")
+
+
+def test_a_preset_file_is_recorded_so_config_toml_can_load_it_again(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text("[train]\nlr = 0.3\n")
+    cfg = _cfg("--preset", str(path))
+    assert cfg.preset == str(path.resolve()) and load_preset(cfg.preset)["lr"] == 0.3
+
+
+def test_overriding_a_presets_schedule_drops_its_milestones():
+    cfg = _cfg("--preset", "alexnet-cifar100", "--lr-schedule", "cosine")
+    assert cfg.lr_schedule == "cosine" and cfg.milestones is None

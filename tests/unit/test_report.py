@@ -4,7 +4,8 @@ Synthetic ``metrics.jsonl`` / ``summary.json`` / ``bench.json`` files are built
 in ``tmp_path``; the rendered files must be real PNGs. The pure helpers
 (rolling median, per-step T*, batch-weighted loss, training time) are checked
 on hand-computed values, and unusable directories raise ``ReportError``
-naming the path.
+naming the path. ASP runs (``push`` events) and ``bench --mode asp``
+directories get their own PNGs (``omnilearn.aspreport``).
 
 Run:  cd /work/main && python -m pytest -q tests/unit/test_report.py
 """
@@ -197,5 +198,129 @@ def test_malformed_bench(tmp_path, content):
 def test_tensorboard_missing_package(tmp_path, monkeypatch):
     run_dir = synthetic_run(tmp_path / "run")
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    with pytest.raises(ReportError, match="pip install tensorboard"):
+        write_tensorboard(run_dir, tmp_path / "tb")
+
+
+# ---------------------------------------------------------------- ASP runs and benches
+
+from omnilearn.aspreport import is_asp_run, load_asp_run, push_rates, render_asp_bench  # noqa: E402
+
+ASP_PNGS = ["batches.png", "cycle_compute.png", "update_rate.png", "loss_accuracy.png", "staleness.png"]
+
+
+def synthetic_asp_run(run_dir, pushes=120, summary=True, speeds=(1.0, 1.0, 4.0)):
+    """Workers pushing at rates proportional to ``speeds``; a rebalance at version 60, a speed change at 90."""
+    n = len(speeds)
+    records = [{"event": "speeds", "version": 0, "step": 0, "speeds": list(speeds)},
+               {"event": "eval", "epoch": -1, "version": 0, "step": 0, "wall_s": 0.0, "test_loss": 2.3,
+                "test_accuracy": 0.1}]
+    next_s = [1.0 / s for s in speeds]
+    pulled = [0] * n
+    for version in range(1, pushes + 1):
+        w = min(range(n), key=lambda k: next_s[k])
+        t = next_s[w]
+        batch = 100 if version <= 60 else int(100 * speeds[w] * n / sum(speeds))
+        records.append({"event": "push", "version": version, "rank": w, "batch": batch,
+                        "staleness": version - 1 - pulled[w], "pulled_version": pulled[w], "cycle_s": 1.0 / speeds[w],
+                        "compute_s": 0.8 / speeds[w], "loss": 2.3 - version / 100, "lr": 0.01, "wall_s": t,
+                        "epoch": version / 40})
+        pulled[w], next_s[w] = version, t + 1.0 / speeds[w]
+        if version == 60:
+            records.append({"event": "decision", "step": 60, "old": [100] * n, "new": [90, 90, 120],
+                            "times_s": [1.0] * n,
+                            "changed": True, "reason": "largest change 20%"})
+        if version == 90:
+            records.append({"event": "speeds", "version": 90, "step": 30, "speeds": [4.0, 1.0, 1.0]})
+        if version % 40 == 0:
+            records.append({"event": "eval", "epoch": version // 40 - 1, "version": version, "step": version // n,
+                            "wall_s": t + 0.5, "test_loss": 2.0, "test_accuracy": 0.1 + version / 400})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if summary:
+        (run_dir / "summary.json").write_text(json.dumps({"mode": "asp", "updates": pushes}))
+    return run_dir
+
+
+def test_asp_run_is_detected_by_summary_or_push_events(tmp_path):
+    assert is_asp_run(synthetic_asp_run(tmp_path / "a"))
+    assert is_asp_run(synthetic_asp_run(tmp_path / "b", summary=False))  # interrupted: no summary.json yet
+    assert not is_asp_run(synthetic_run(tmp_path / "bsp"))
+    assert not is_asp_run(synthetic_run(tmp_path / "bsp-no-summary", summary=False))
+
+
+def test_load_asp_run_places_events_on_the_training_time_axis(tmp_path):
+    data = load_asp_run(synthetic_asp_run(tmp_path / "run"))
+    assert data.ranks == [0, 1, 2]
+    assert sum(len(ps) for ps in data.pushes.values()) == 120
+    pushes = sorted((p for ps in data.pushes.values() for p in ps), key=lambda p: p["version"])
+    assert data.rebalances == [pushes[59]["wall_s"]]  # the decision after version 60
+    assert data.speed_changes == [(pushes[89]["wall_s"], [4.0, 1.0, 1.0])]  # the version-0 speeds are no change
+    assert [a for _, a in data.evals] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert data.evals[1][0] == pushes[39]["wall_s"]  # not the eval's own wall_s (0.5 s later)
+    assert [sum(row) for row in data.histogram] == [len(data.pushes[k]) for k in (0, 1, 2)]
+    assert len(data.loss[0]) == len(data.loss[1]) == 120
+
+
+def test_push_rates_hand_computed():
+    centres, rates = push_rates({0: [0.5, 1.5, 1.6, 4.0], 1: [2.0]}, bins=2)  # slices [0, 2) and [2, 4]
+    assert centres == [1.0, 3.0]
+    assert rates == {0: [1.5, 0.5], 1: [0.0, 0.5]}  # 3 pushes / 2 s, then 1 / 2 s
+    assert push_rates({0: [], 1: []}, bins=5) == ([0.5], {0: [0.0], 1: [0.0]})
+    centres, _ = push_rates({0: [i / 10 for i in range(1, 101)]})
+    assert len(centres) == 10  # about 10 pushes per worker and slice
+
+
+def test_render_asp_run(tmp_path):
+    run_dir = synthetic_asp_run(tmp_path / "run")
+    assert_pngs(render(run_dir), run_dir, ASP_PNGS)
+
+
+@pytest.mark.parametrize("kwargs", [{"pushes": 1}, {"pushes": 3, "summary": False}, {"speeds": (2.0,)}])
+def test_render_asp_run_edge_cases(tmp_path, kwargs):
+    run_dir = synthetic_asp_run(tmp_path / "run", **kwargs)
+    paths = render(run_dir)
+    assert [p.name for p in paths] == ASP_PNGS
+    assert all(p.read_bytes()[:8] == PNG_SIGNATURE for p in paths)
+
+
+def test_malformed_asp_push(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"event": "push", "version": 1, "rank": 0}\n')
+    with pytest.raises(ReportError, match="push record lacks one of") as e:
+        render(tmp_path)
+    assert str(tmp_path) in str(e.value)
+    (tmp_path / "summary.json").write_text('{"mode": "asp"}')
+    (tmp_path / "metrics.jsonl").write_text('{"event": "eval", "version": 0, "test_accuracy": 0.1}\n')
+    with pytest.raises(ReportError, match="no push records"):
+        render(tmp_path)
+
+
+def synthetic_asp_bench(bench_dir, settings=("HL4", "HL8")):
+    results = []
+    for s in settings:
+        for arm, acc, hist in (("uniform", [0.5, 0.6], [[1, 5, 2], [0, 0, 9]]),
+                               ("omnilearn", [0.7, 0.72], [[3, 4], [4, 3]]),
+                               ("bsp", [0.74, 0.74], None)):
+            results.append({"setting": s, "arm": arm, "levels": "bsp" if arm == "bsp" else "asp",
+                            "accuracy_at_budget": {"mean": sum(acc) / 2, "min": min(acc), "max": max(acc),
+                                                   "per_repeat": acc},
+                            "accuracy_curves": [[[1.0, 0.2], [2.0, acc[0]]], [[1.1, 0.3], [2.0, acc[1]]]],
+                            "staleness_histogram": hist})
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    (bench_dir / "bench.json").write_text(json.dumps({"train_mode": "asp", "mode": "quick", "time_budget_s": 2.0,
+                                                      "settings": list(settings), "results": results}))
+    return bench_dir
+
+
+def test_render_asp_bench(tmp_path):
+    bench_dir = synthetic_asp_bench(tmp_path / "bench")
+    names = ["accuracy.png", "accuracy-HL4.png", "staleness-HL4.png", "accuracy-HL8.png", "staleness-HL8.png"]
+    assert_pngs(render(bench_dir), bench_dir, names)
+    assert_pngs(render_asp_bench(bench_dir), bench_dir, names)
+
+
+def test_asp_tensorboard_or_a_clear_message(tmp_path, monkeypatch):
+    run_dir = synthetic_asp_run(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ReportError, match="pip install tensorboard"):
         write_tensorboard(run_dir, tmp_path / "tb")

@@ -85,10 +85,18 @@ def init(
     device_preference: str,
     timeout_s: float,
     init_method: str = "env://",
+    backend: str | None = None,
 ) -> DistContext:
-    """Join the process group and pin this process to its device and CPU share."""
+    """Join the process group and pin this process to its device and CPU share.
+
+    ``backend`` None: NCCL for a CUDA device, else gloo. A forced gloo group
+    (the ASP parameter server's) keeps every process on the CPU here; its
+    workers pick their own compute device.
+    """
+    if backend == "gloo":
+        device_preference = "cpu"
     device = pick_device(device_preference, local_rank, local_world_size)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -100,8 +108,12 @@ def init(
     return DistContext(rank, world_size, local_rank, local_world_size, device, backend)
 
 
-def init_from_torchrun(device_preference: str, timeout_s: float) -> DistContext:
+def init_from_torchrun(device_preference: str, timeout_s: float, backend: str | None = None) -> DistContext:
     env = os.environ
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise RuntimeError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: launch with torchrun, "
+                           "or set the rendezvous address of rank 0")
     return init(
         int(env["RANK"]),
         int(env["WORLD_SIZE"]),
@@ -109,6 +121,7 @@ def init_from_torchrun(device_preference: str, timeout_s: float) -> DistContext:
         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
         device_preference,
         timeout_s,
+        backend=backend,
     )
 
 
@@ -118,18 +131,26 @@ def single_process(device_preference: str) -> DistContext:
 
 
 def from_existing_group(device_preference: str) -> DistContext:
-    """The caller already ran ``init_process_group``: use its group; NCCL means this rank's current GPU."""
+    """The caller already ran ``init_process_group``: use its group.
+
+    Any backend but plain gloo (nccl, or torch's default of gloo for CPU and
+    NCCL for CUDA tensors) may carry CUDA tensors: then this rank computes on
+    GPU ``LOCAL_RANK`` unless ``device_preference`` is ``cpu``.
+    """
     env = os.environ
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = str(dist.get_backend())
-    if backend == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    elif device_preference == "cuda":
-        raise RuntimeError(f"--device cuda asked for, but the process group uses {backend}; initialise it with nccl")
+    cuda_ok = torch.cuda.is_available() and backend != "gloo"
+    local_rank = int(env.get("LOCAL_RANK", torch.cuda.current_device() if cuda_ok else 0))
+    if device_preference == "cuda" and not cuda_ok:
+        raise RuntimeError(f"device cuda asked for, but the process group ({backend}) cannot carry CUDA tensors "
+                           "here; initialise it with nccl on a CUDA machine, or use device cpu")
+    if cuda_ok and device_preference != "cpu":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    return DistContext(rank, world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)),
-                       device, backend)
+    return DistContext(rank, world, local_rank, int(env.get("LOCAL_WORLD_SIZE", world)), device, backend)
 
 
 def join(device_preference: str, timeout_s: float) -> DistContext:
