@@ -115,6 +115,7 @@ class ASPLog:
             workers.append({
                 "rank": w, "updates": staleness.counts[w], "mean_staleness": staleness.mean(w),
                 "max_staleness": staleness.maxima[w], "updates_per_s": staleness.counts[w] / train_s,
+                "max_staleness_last_half": max((p["staleness"] for p in half), default=0),
                 "mean_batch": fmean(p["batch"] for p in half) if half else 0.0,
                 "mean_cycle_s": fmean(p["cycle_s"] for p in half) if half else 0.0,
                 "mean_compute_s": fmean(p["compute_s"] for p in half) if half else 0.0,
@@ -127,6 +128,8 @@ class ASPLog:
             "test_accuracy": self.last_eval.get("test_accuracy"), "test_loss": self.last_eval.get("test_loss"),
             "final_train_loss": fmean(p["loss"] for p in self.pushes[-n:]) if self.pushes else None,
             "mean_staleness": sum(staleness.totals) / max(1, updates), "max_staleness": max(staleness.maxima),
+            # after the controller's first decisions: the transient of the first intervals left out
+            "max_staleness_last_half": max((p["staleness"] for p in self.pushes[len(self.pushes) // 2 :]), default=0),
             "declared_speeds": list(self.speed_changes[-1][1]) if len(self.speed_changes) == 1 else None,
             "speed_changes": [{"version": v, "speeds": list(s)} for v, s in self.speed_changes],
             "workers": workers, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -281,8 +281,14 @@ class Session:
             print(f"omnilearn: warning: rank {self.rank}: {e}", file=sys.stderr)
 
     def close(self) -> None:
-        """Leave the process group (whoever created it)."""
+        """Leave the process group (whoever created it), after every rank got here.
+
+        The barrier keeps a fast rank from closing its connections while a
+        peer's gloo threads still use them (that aborts the peer at exit).
+        """
         self.release()
+        if self.ctx.grouped:
+            group.barrier()
         group.destroy()
 
 

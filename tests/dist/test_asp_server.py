@@ -5,6 +5,10 @@ Run: ``python -m pytest -q tests/dist/test_asp_server.py`` (under a minute on 2 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from cli_run import train
 from omnilearn.asptrainer import SERVER_ALONE, ASPWorker, ParameterServer
 from omnilearn.config import TrainConfig
 from omnilearn.dist.group import DistContext
-from omnilearn.dist.ps import HELLO, PUSH, Request, WorkerLink
+from omnilearn.dist.ps import HELLO, PUSH, Request
 from omnilearn.rundir import read_metrics
 
 pytestmark = pytest.mark.dist
@@ -91,3 +95,15 @@ def test_a_hung_worker_stops_the_server_with_its_rank_named(tmp_path):
     assert "worker rank 2 sent nothing" in message and "--timeout-s 4" in message
     assert float(seconds) < 40  # 4 s of silence, plus start-up on a busy 2-core host
     assert files[1].exists()  # the live worker does not hang either: it loses the server and stops
+
+
+def test_torchrun_rank_zero_is_the_server(tmp_path):
+    out = tmp_path / "torchrun-asp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "omnilearn", "train", "--mode", "asp", "--speeds", "2,1", "--max-steps", "10",
+           "--global-batch", "128", "--control-interval", "4", "--out", str(out), "--no-plots"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "asp" and summary["updates"] == 20 and len(summary["workers"]) == 2
