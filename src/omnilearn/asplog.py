@@ -18,7 +18,7 @@ from omnilearn.asp import Staleness
 from omnilearn.config import TrainConfig
 from omnilearn.controller import Decision
 from omnilearn.progress import Console
-from omnilearn.rundir import MetricsLog, write_json
+from omnilearn.rundir import MetricsLog, save_model, write_json
 from omnilearn.runplan import RunPlan
 
 
@@ -90,7 +90,7 @@ class ASPLog:
         summary = {**self.summary(wall_s, train_s, staleness), "samples_dealt": samples_dealt}
         if self.run_dir is not None:
             write_json(self.run_dir / "summary.json", summary)
-            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
+            save_model(self.run_dir, model)
         if self.log is not None:
             self.log.close()
         self.console.line(f"{'worker':>6} {'updates':>8} {'batch':>7} {'cycle ms':>9} {'staleness mean/max':>19} "

@@ -65,6 +65,13 @@ class MetricsLog:
         self.file.close()
 
 
+def save_model(run_dir: Path, model) -> None:
+    """``RUN_DIR/model.pt``: the model's ``state_dict`` as CPU tensors (``torch.load(..., weights_only=True)``)."""
+    import torch
+
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / "model.pt")
+
+
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

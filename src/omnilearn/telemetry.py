@@ -12,7 +12,7 @@ from omnilearn.config import BalanceConfig
 from omnilearn.controller import Decision
 from omnilearn.efficiency import StepRow, balance_efficiency, by_step, ideal_step_s, measured_step_s, worker_stats
 from omnilearn.progress import Console
-from omnilearn.rundir import MetricsLog, write_json
+from omnilearn.rundir import MetricsLog, save_model, write_json
 from omnilearn.runplan import RunPlan
 
 
@@ -85,7 +85,7 @@ class Telemetry:
         if self.run_dir is not None:
             write_json(self.run_dir / "summary.json", summary)
             if model is not None:
-                torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
+                save_model(self.run_dir, model)
         if self.log is not None:
             self.log.close()
         first = summary["stats_from_step"]
