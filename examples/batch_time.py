@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from omnilearn import models
+from omnilearn.experiments.zoo import models
 
 
 def step_ms(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, repeats: int) -> float:

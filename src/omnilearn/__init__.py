@@ -10,7 +10,7 @@ Run ``omnilearn train`` for the embedded demo; in your own loop::
     ...                       # your loop; ol.step(loss) after optimizer.step()
     ol.finish()
 
-See :mod:`omnilearn.session` and README.md.
+See :mod:`omnilearn.bsp.session` and README.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["BalanceConfig", "Session", "setup"]
 
 def __getattr__(name: str):  # lazy: ``import omnilearn`` stays cheap for the CLI and the pure modules
     if name in ("setup", "Session"):
-        from omnilearn import session
+        from omnilearn.bsp import session
 
         return getattr(session, name)
     if name == "BalanceConfig":

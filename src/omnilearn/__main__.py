@@ -1,7 +1,10 @@
-"""``python -m omnilearn ...``: the same CLI, e.g. under ``torchrun -m omnilearn train``."""
+"""``python -m omnilearn ...``: the experiment CLI, e.g. under ``torchrun -m omnilearn train``.
+
+An entry point, not part of the library: it needs the ``[experiments]`` extra.
+"""
 
 import sys
 
-from omnilearn.cli import main
+from omnilearn.experiments.cli import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""Training configuration: a frozen dataclass validated on construction.
+"""Balancing settings: :class:`BalanceConfig`, a frozen dataclass validated on construction.
 
 Values come from defaults, then an optional TOML file (``--config``; keys are
 the field names below, dashes or underscores), then explicit CLI flags. The
@@ -14,13 +14,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from omnilearn.allocation import InfeasibleBounds, check_feasible
-from omnilearn.asp import LR_SCALINGS
-from omnilearn.controller import CONTROLLERS
-from omnilearn.data import DATASETS
-from omnilearn.models import LANGUAGE_MODELS, MODELS, is_language_model
-from omnilearn.speeds import ASP_LEVELS, BSP_LEVELS, SpeedError, parse_speeds
-from omnilearn.tomlfile import read_toml
+from omnilearn.balance.allocation import InfeasibleBounds, check_feasible
+from omnilearn.balance.controllers import CONTROLLERS
+from omnilearn.emulation.speeds import BSP_LEVELS, SpeedError, parse_speeds
 
 
 class ConfigError(ValueError):
@@ -30,14 +26,6 @@ class ConfigError(ValueError):
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 EMULATORS = ("delay", "cgroup", "affinity", "docker", "none")
 DEVICES = ("auto", "cpu", "cuda")
-OPTIMIZERS = ("sgd", "adamw")
-# What the CLI starts from for a language model, under a preset, --config and flags: a CPU-friendly run.
-# What the CLI starts from in --mode asp: plain SGD on the server (with staleness ~n-1, server momentum 0.9
-# made balanced runs diverge here), at the rate of one push of B/n samples.
-ASP_DEFAULTS = {"momentum": 0.0, "lr": 0.05}
-LANGUAGE_MODEL_DEFAULTS = {"dataset": "text", "optimizer": "adamw", "lr": 3e-3, "global_batch": 128, "epochs": 1}
-LR_SCHEDULES = ("cosine", "multistep", "constant")
-MODES = ("bsp", "asp")
 
 
 @dataclass(frozen=True)
@@ -73,7 +61,7 @@ class BalanceConfig:
             raise ConfigError(f"--workers {self.workers} must be positive")
         if self.speeds is None and self.workers is not None:
             object.__setattr__(self, "speeds", ",".join(["1"] * self.workers))
-        _positive(self, "global_batch", "control_interval", "timeout_s")
+        check_positive(self, "global_batch", "control_interval", "timeout_s")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed {self.seed} must be in [0, 2**63)")
         if self.timeout_s > MAX_TIMEOUT_S:
@@ -123,115 +111,6 @@ class BalanceConfig:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
-class TrainConfig(BalanceConfig):
-    """``omnilearn train``: the balancing settings plus the workload (model, data, optimizer, schedule)."""
-
-    workers: int = 4
-    preset: str | None = None  # the paper preset this config started from (informational)
-    model: str = "cnn1d"
-    dataset: str = "mnist1d"
-    data_dir: str | None = None  # cifar10/cifar100/imagefolder: the data on disk; text: a file or folder
-    input_shape: str | None = None  # synthetic only, e.g. "3x32x32" (default 40)
-    num_classes: int | None = None  # synthetic only (default 10)
-    image_size: int = 32  # imagefolder: images are resized to this square
-    seq_len: int = 64  # text: tokens (bytes) per sample
-    augment: bool = True  # image datasets: random crop + flip on the training split
-    epochs: int = 40
-    max_steps: int | None = None
-    optimizer: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    lr_schedule: str = "cosine"
-    milestones: str | None = None  # multistep: epochs at which the rate is multiplied by gamma, e.g. "15,30,45"
-    gamma: float = 0.1
-    loader_workers: int = 0
-    mode: str = "bsp"  # bsp: synchronous, DDP; asp: asynchronous, a parameter server besides the workers
-    lr_scaling: str = "linear"  # asp: each push's rate times b_i / (B / n), or "none"
-    staleness_lr: bool = False  # asp: also divide each push's rate by its staleness
-    max_time_s: float | None = None  # asp: stop after this much training time (the bench's equal budget)
-
-    def __post_init__(self) -> None:
-        if self.speeds is None and isinstance(self.workers, int):
-            object.__setattr__(self, "speeds", "HL8" if self.workers == 4 else None)
-        if self.mode not in MODES:
-            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        super().__post_init__()
-        self._check_asp()
-        _positive(self, "epochs", "lr", "image_size", "seq_len")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"--max-steps {self.max_steps} must be at least 1 (or omit it to run --epochs)")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"--momentum {self.momentum} must be in [0, 1)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay {self.weight_decay} must be 0 or more")
-        if not 0 < self.gamma <= 1:
-            raise ConfigError(f"--gamma {self.gamma} must be in (0, 1], e.g. 0.1")
-        if self.loader_workers < 0:
-            raise ConfigError(f"--loader-workers {self.loader_workers} must be 0 or more")
-        for name, allowed in (("model", MODELS), ("dataset", DATASETS), ("optimizer", OPTIMIZERS),
-                              ("lr_schedule", LR_SCHEDULES)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
-        self.milestone_epochs  # validates
-        self.sample_shape  # validates
-        if self.num_classes is not None and self.num_classes < 2:
-            raise ConfigError(f"--num-classes {self.num_classes} must be at least 2")
-        if is_language_model(self.model) != (self.dataset == "text"):
-            raise ConfigError(f"--model {self.model} and --dataset {self.dataset} do not fit: language models "
-                              f"({', '.join(LANGUAGE_MODELS)}) train on --dataset text, and only they do")
-        if (self.input_shape is not None or self.num_classes is not None) and self.dataset != "synthetic":
-            raise ConfigError(f"--input-shape and --num-classes describe --dataset synthetic; drop them for "
-                              f"--dataset {self.dataset}")
-
-    @property
-    def levels(self) -> dict[str, tuple[float, ...]]:
-        """HL1..HL8 from the paper's BSP or ASP table, by mode (ASP's server is not counted)."""
-        return ASP_LEVELS if self.mode == "asp" else BSP_LEVELS
-
-    def _check_asp(self) -> None:
-        if self.lr_scaling not in LR_SCALINGS:
-            raise ConfigError(f"unknown lr_scaling {self.lr_scaling!r}; choose one of {', '.join(LR_SCALINGS)}")
-        if self.mode == "bsp":
-            for name, default in (("lr_scaling", "linear"), ("staleness_lr", False), ("max_time_s", None)):
-                if getattr(self, name) != default:
-                    raise ConfigError(f"--{name.replace('_', '-')} is only used with --mode asp")
-            return
-        if self.emulator not in ("delay", "none"):
-            raise ConfigError(f"--mode asp emulates speeds with --emulator delay or none, not {self.emulator}")
-        if self.loader_workers:
-            raise ConfigError("--mode asp workers read their batches directly; drop --loader-workers")
-        if self.max_time_s is not None and self.max_time_s <= 0:
-            raise ConfigError(f"--max-time-s {self.max_time_s:g} must be positive")
-
-    @property
-    def milestone_epochs(self) -> tuple[int, ...]:
-        if self.lr_schedule != "multistep":
-            if self.milestones is not None:
-                raise ConfigError("--milestones is only used with --lr-schedule multistep")
-            return ()
-        try:
-            epochs = tuple(int(m) for m in (self.milestones or "").split(","))
-        except ValueError:
-            epochs = ()
-        if not epochs or any(e < 1 for e in epochs) or list(epochs) != sorted(set(epochs)):
-            raise ConfigError(f"--milestones {self.milestones!r} must be increasing epochs, e.g. 15,30,45")
-        return epochs
-
-    @property
-    def sample_shape(self) -> tuple[int, ...] | None:
-        if self.input_shape is None:
-            return None
-        try:
-            shape = tuple(int(d) for d in self.input_shape.lower().replace(",", "x").split("x"))
-        except ValueError:
-            shape = ()
-        if not shape or any(d < 1 for d in shape) or len(shape) > 3:
-            raise ConfigError(f"--input-shape {self.input_shape!r} must be 1-3 positive sizes, e.g. 40 or 3x32x32")
-        return shape
-
-
 def _check_types(cfg: BalanceConfig) -> None:
     for f in fields(cfg):
         value = getattr(cfg, f.name)
@@ -253,40 +132,11 @@ def _kinds(f: dataclasses.Field) -> tuple[type, ...]:
     return (bool,) if kind == "bool" else (float, int) if "float" in kind else (int,) if "int" in kind else (str,)
 
 
-def _positive(cfg: BalanceConfig, *names: str) -> None:
+def check_positive(cfg: BalanceConfig, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} {getattr(cfg, name)} must be positive")
-
-
-def normalise_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Map ``global-batch`` to ``global_batch`` and reject unknown keys."""
-    known = {f.name for f in fields(TrainConfig)}
-    out = {}
-    for key, value in values.items():
-        name = key.replace("-", "_")
-        if name not in known:
-            raise ConfigError(f"unknown setting {key!r} in {source}; known: {', '.join(sorted(known))}")
-        out[name] = value
-    return out
-
-
-def load_toml(path: str) -> dict[str, Any]:
-    """Read a config file; a ``[train]`` table or top-level keys both work."""
-    doc = read_toml(path, "config file", ConfigError)
-    table = doc.get("train", doc)
-    if not isinstance(table, dict):
-        raise ConfigError(f"config file {path!r}: [train] must be a table of settings")
-    return normalise_keys(table, path)
-
-
-def build(file_values: Mapping[str, Any], cli_values: Mapping[str, Any]) -> TrainConfig:
-    """Defaults < config file < CLI flags."""
-    try:
-        return TrainConfig(**{**file_values, **cli_values})
-    except TypeError as e:  # pragma: no cover - keys are normalised before
-        raise ConfigError(str(e)) from None
 
 
 def dump_toml(cfg: BalanceConfig) -> str:

@@ -1,19 +1,18 @@
 """Resolve balancing settings against a dataset: steps per epoch, total steps, speed schedule.
 
-The CLI resolves its :class:`TrainConfig` in the launcher before any worker
-starts (so bad input fails fast, with one line) and again in every worker
-(cheap and deterministic); the Python API resolves when the data loader is
-made, from the dataset's length and the loader's prefetch depth.
+The Python API resolves when the data loader is made, from the dataset's
+length and the loader's prefetch depth; the CLI's ``resolve`` (in
+:mod:`omnilearn.experiments.workload`) does the same from ``--epochs`` /
+``--max-steps`` before any worker starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omnilearn.config import BalanceConfig, ConfigError, TrainConfig
-from omnilearn.speeds import SpeedError, SpeedSchedule, load_schedule, paper_schedule
+from omnilearn.config import BalanceConfig, ConfigError
+from omnilearn.emulation.speeds import SpeedError, SpeedSchedule, load_schedule, paper_schedule
 
-PREFETCH_FACTOR = 2  # DataLoader batches in flight per loader worker (the CLI's setting)
 MIN_STEPS_PER_DECISION = 3  # steps at the current batches a decision needs
 
 
@@ -48,13 +47,6 @@ def plan_run(cfg: BalanceConfig, dataset_len: int, total_steps: int | None, lag:
         return RunPlan(spe, total_steps, _speed_schedule(cfg, total_steps, spe), lag)
     except SpeedError as e:
         raise ConfigError(str(e)) from None
-
-
-def resolve(cfg: TrainConfig, dataset_len: int) -> RunPlan:
-    """The CLI's plan: ``--epochs`` or ``--max-steps``, prefetch from ``--loader-workers``."""
-    spe = max(1, dataset_len // cfg.global_batch)
-    total = spe * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, spe * cfg.epochs)
-    return plan_run(cfg, dataset_len, total, cfg.loader_workers * PREFETCH_FACTOR, f"{cfg.dataset} training set")
 
 
 def _speed_schedule(cfg: BalanceConfig, total: int | None, spe: int) -> SpeedSchedule:

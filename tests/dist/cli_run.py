@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from omnilearn.cli import main
+from omnilearn.experiments.cli import main
 
 
 def train(out: Path, *flags: str) -> dict:

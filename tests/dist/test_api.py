@@ -20,8 +20,8 @@ from torch import nn
 
 import omnilearn
 from omnilearn.config import ConfigError
-from omnilearn.rundir import read_metrics
-from omnilearn.sampler import GlobalPlan
+from omnilearn.observe.rundir import read_metrics
+from omnilearn.data.plan import GlobalPlan
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]

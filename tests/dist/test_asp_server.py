@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cli_run import train
-from omnilearn.asptrainer import SERVER_ALONE, ASPWorker, ParameterServer
-from omnilearn.config import TrainConfig
-from omnilearn.dist.group import DistContext
-from omnilearn.dist.ps import HELLO, PUSH, Request
-from omnilearn.rundir import read_metrics
+from omnilearn.asp.runtime import SERVER_ALONE, ASPWorker, ParameterServer
+from omnilearn.experiments.config import TrainConfig
+from omnilearn.distributed.group import DistContext
+from omnilearn.distributed.ps import HELLO, PUSH, Request
+from omnilearn.observe.rundir import read_metrics
 
 pytestmark = pytest.mark.dist
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from omnilearn.cli import main
+from omnilearn.experiments.cli import main
 
 pytestmark = pytest.mark.dist
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cli_run import load_weights, train
-from omnilearn.rundir import read_metrics
+from omnilearn.observe.rundir import read_metrics
 
 pytestmark = pytest.mark.dist
 

@@ -1,4 +1,4 @@
-"""Property tests for ``omnilearn.allocation`` (pure batch-split arithmetic).
+"""Property tests for ``omnilearn.balance.allocation`` (pure batch-split arithmetic).
 
 What is checked, over random feasible ``(B, n, min_batch, max_batch)`` and
 random positive weights (hypothesis):
@@ -25,7 +25,7 @@ import re
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from omnilearn.allocation import (
+from omnilearn.balance.allocation import (
     Bounds,
     InfeasibleBounds,
     check_feasible,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnilearn.asp import IndexDealer, Staleness, push_lr
+from omnilearn.asp.rules import IndexDealer, Staleness, push_lr
 
 
 @settings(max_examples=200, deadline=None)

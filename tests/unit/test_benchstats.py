@@ -1,4 +1,4 @@
-"""Unit tests for the bench figures (``omnilearn.benchstats``), a pure module.
+"""Unit tests for the bench figures (``omnilearn.experiments.benchstats``), a pure module.
 
 Checked against hand-computed values on small synthetic BSP runs:
 
@@ -31,7 +31,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnilearn.benchstats import (
+from omnilearn.experiments.benchstats import (
     REACTION_WINDOW,
     add_speedups,
     arm_figures,
@@ -41,7 +41,7 @@ from omnilearn.benchstats import (
     rows_from_records,
     time_to_accuracy,
 )
-from omnilearn.efficiency import StepRow, ideal_step_s, measured_step_s
+from omnilearn.balance.efficiency import StepRow, ideal_step_s, measured_step_s
 
 SYNC_S = 1.0
 
@@ -358,7 +358,7 @@ def test_markdown_table_all_none_reactions():
 
 def test_settle_steps_counts_to_the_blocks_own_settled_time():
     # These blocks settle exactly at T*, so both measures agree and count the k unbalanced steps.
-    from omnilearn.benchstats import settle_steps
+    from omnilearn.experiments.benchstats import settle_steps
 
     rows = dynamic_run([0, 20, 40], 60, [4, 0, 7])
     assert settle_steps(rows, [0, 20, 40], 60) == [4, 0, 7]
@@ -367,7 +367,7 @@ def test_settle_steps_counts_to_the_blocks_own_settled_time():
 
 # ---------------------------------------------------------------- bench --mode asp
 
-from omnilearn.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, eval_points,  # noqa: E402
+from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, eval_points,  # noqa: E402
                                   spread, staleness_histogram)
 
 

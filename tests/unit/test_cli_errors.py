@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from omnilearn.cli import main
+from omnilearn.experiments.cli import main
 
 
 @pytest.mark.parametrize(

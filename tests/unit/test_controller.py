@@ -1,4 +1,4 @@
-"""Property tests for ``omnilearn.controller`` (batch-size controllers).
+"""Property tests for ``omnilearn.balance.controllers`` (batch-size controllers).
 
 What is checked (hypothesis over random feasible bounds, batches and times,
 and small simulations of workers whose compute time is ``b_i / v_i``):
@@ -30,8 +30,8 @@ import statistics
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from omnilearn.allocation import Bounds, proportional_split, uniform_split
-from omnilearn.controller import (
+from omnilearn.balance.allocation import Bounds, proportional_split, uniform_split
+from omnilearn.balance.controllers import (
     CONTROLLERS,
     Decision,
     FixedController,
@@ -392,7 +392,7 @@ def test_accepts_deadband_inside_unit_interval(deadband):
 
 
 def test_window_time_uses_all_samples_unless_the_newest_interval_shifted():
-    from omnilearn.controller import window_time
+    from omnilearn.balance.controllers import window_time
 
     steady = [1.0, 1.02, 0.98] * 20
     assert window_time(steady + [1.03] * 10, recent=10, shift=0.1) == pytest.approx(1.0, abs=0.021)

@@ -15,8 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from omnilearn import data, imagedata, textdata
-from omnilearn.data import DataError, DataSpec
+from omnilearn.experiments.datasets import core as data
+
+from omnilearn.experiments.datasets import images as imagedata
+
+from omnilearn.experiments.datasets import text as textdata
+from omnilearn.experiments.datasets.core import DataError, DataSpec
 
 # ---------------------------------------------------------------- generated datasets
 

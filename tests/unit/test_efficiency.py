@@ -1,4 +1,4 @@
-"""Unit tests for ideal step time and balance efficiency (``omnilearn.efficiency``).
+"""Unit tests for ideal step time and balance efficiency (``omnilearn.balance.efficiency``).
 
 ``T* = B / sum(b_i / compute_s_i) + min_i wait_s_i`` per step, and
 ``eta = mean T* / mean T`` (T: the slowest worker's step) over the steps
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnilearn.efficiency import StepRow, balance_efficiency, by_step, ideal_step_s, worker_stats
+from omnilearn.balance.efficiency import StepRow, balance_efficiency, by_step, ideal_step_s, worker_stats
 
 SETTINGS = settings(max_examples=100, deadline=None)
 

@@ -1,4 +1,4 @@
-"""Tests for the model zoo: ``omnilearn.models``, ``omnilearn.vision``, ``omnilearn.gpt``.
+"""Tests for the model zoo: ``omnilearn.experiments.zoo.models``, ``omnilearn.experiments.zoo.vision``, ``omnilearn.experiments.zoo.gpt``.
 
 Every model in ``MODELS`` is built on a small input, checked for its output
 shape and trained a few SGD steps on one fixed batch, which must lower the
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from omnilearn import models
-from omnilearn.gpt import GPT, GPTConfig
+from omnilearn.experiments.zoo import models
+from omnilearn.experiments.zoo.gpt import GPT, GPTConfig
 
 VOCAB, SEQ = 256, 32
 # (input_shape, num_classes, SGD learning rate) per model for the fit test; the rates

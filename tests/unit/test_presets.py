@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from omnilearn.cli import _config, parser
-from omnilearn.config import ConfigError, TrainConfig, dump_toml
-from omnilearn.presets import PRESET_DIR, load_preset, preset_names
+from omnilearn.experiments.cli import _config, parser
+from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
+from omnilearn.experiments.presets import PRESET_DIR, load_preset, preset_names
 
 PAPER_WORKLOADS = {"resnet18-food101", "resnet50-caltech256", "vgg11-places365", "alexnet-cifar100",
                    "gpt2-shakespeare"}
@@ -60,7 +60,7 @@ def test_unknown_preset_names_the_choices(tmp_path):
 
 
 def test_presets_ship_with_the_package():
-    assert PRESET_DIR.name == "presets" and len(list(PRESET_DIR.glob("*.toml"))) == len(PAPER_WORKLOADS)
+    assert PRESET_DIR.name == "paper_presets" and len(list(PRESET_DIR.glob("*.toml"))) == len(PAPER_WORKLOADS)
 
 
 def test_under_torchrun_the_world_size_beats_the_presets_worker_count(monkeypatch):

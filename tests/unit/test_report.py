@@ -1,11 +1,11 @@
-"""Unit tests for the plots of runs and benches (``omnilearn.report``, ``omnilearn.plots``).
+"""Unit tests for the plots of runs and benches (``omnilearn.experiments.report.runs``, ``omnilearn.experiments.report.plots``).
 
 Synthetic ``metrics.jsonl`` / ``summary.json`` / ``bench.json`` files are built
 in ``tmp_path``; the rendered files must be real PNGs. The pure helpers
 (rolling median, per-step T*, batch-weighted loss, training time) are checked
 on hand-computed values, and unusable directories raise ``ReportError``
 naming the path. ASP runs (``push`` events) and ``bench --mode asp``
-directories get their own PNGs (``omnilearn.aspreport``).
+directories get their own PNGs (``omnilearn.experiments.report.asp``).
 
 Run:  cd /work/main && python -m pytest -q tests/unit/test_report.py
 """
@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from omnilearn.efficiency import StepRow
-from omnilearn.report import (
+from omnilearn.balance.efficiency import StepRow
+from omnilearn.experiments.report.runs import (
     ReportError, load_run, render, render_bench, render_run, rolling_median, step_ideal_s, training_time_s,
     weighted_loss, write_tensorboard,
 )
@@ -204,7 +204,7 @@ def test_tensorboard_missing_package(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- ASP runs and benches
 
-from omnilearn.aspreport import is_asp_run, load_asp_run, push_rates, render_asp_bench  # noqa: E402
+from omnilearn.experiments.report.asp import is_asp_run, load_asp_run, push_rates, render_asp_bench  # noqa: E402
 
 ASP_PNGS = ["batches.png", "cycle_compute.png", "update_rate.png", "loss_accuracy.png", "staleness.png"]
 

@@ -1,4 +1,4 @@
-"""Unit tests for the variable-batch data path (``omnilearn.sampler``).
+"""Unit tests for the variable-batch data path (``omnilearn.data.plan``).
 
 Checks the properties the design promises: every index exactly once per epoch
 (the ``N mod B`` remainder dropped) under any sequence of batch-size changes;
@@ -19,7 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from omnilearn.sampler import BatchSchedule, GlobalPlan, VariableBatchSampler
+from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
 
 SETTINGS = settings(max_examples=100, deadline=None)
 

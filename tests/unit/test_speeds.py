@@ -1,4 +1,4 @@
-"""Unit tests for worker speeds, heterogeneity levels and schedules (``omnilearn.speeds``).
+"""Unit tests for worker speeds, heterogeneity levels and schedules (``omnilearn.emulation.speeds``).
 
 Covers ``parse_speeds`` (comma lists, paper levels, every error path),
 ``slowdown``, the paper's HL1->2->4->8->8->4->2->1 routine (checked through
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnilearn.speeds import (
+from omnilearn.emulation.speeds import (
     ASP_LEVELS,
     BSP_LEVELS,
     PAPER_ROUTINE,

@@ -1,4 +1,4 @@
-"""Unit tests for the real-resource throttles (``omnilearn.throttle``).
+"""Unit tests for the real-resource throttles (``omnilearn.emulation.throttle``).
 
 Pure parts: the core allocation (property-tested: disjoint, >= 1 core each,
 all cores used, monotone in speed), the cgroup quota, the docker argv lists,
@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnilearn.throttle import (
+from omnilearn.emulation.throttle import (
     THROTTLES,
     AffinityThrottle,
     CgroupThrottle,

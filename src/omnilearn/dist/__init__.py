@@ -1,1 +1,0 @@
-"""The thin layer that talks to ``torch.distributed``: groups, the DDP hook, small collectives."""

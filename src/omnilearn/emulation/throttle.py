@@ -1,0 +1,245 @@
+"""Real-resource heterogeneity: slow a worker down with the OS instead of sleeping.
+
+Speeds are relative, one per worker: worker i runs at ``r_i = speeds[i] /
+max(speeds)`` of full speed. Every rank calls ``apply(speeds)`` at step 0 and
+on every change, and ``close()`` at the end (idempotent). Backends:
+
+- ``cgroup``: this process gets ``r * cpus`` CPUs through a CPU quota in its
+  own cgroup; see :mod:`omnilearn.emulation.cgroups` (also ``cleanup_run``).
+- ``affinity``: all threads pinned to a disjoint share of the usable cores.
+- ``docker``: local rank 0 runs ``docker update --cpus <r_i * cpus> <container_i>``.
+
+Refusals raise :class:`ThrottleError` naming the fix. Usage and tests::
+
+    t = make_throttle("cgroup", rank, local_rank, local_world_size, run_id)
+    t.apply((6, 6, 4, 32)); ...; t.close()
+    python -m pytest -q tests/unit/test_throttle.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from fractions import Fraction
+from typing import Protocol, Sequence
+
+THROTTLES = ("cgroup", "affinity", "docker")
+
+
+class ThrottleError(RuntimeError):
+    """The OS refused to throttle a worker; the message names the fix."""
+
+
+class Throttle(Protocol):
+    def apply(self, speeds: Sequence[float]) -> None: ...  # called on every rank when the speeds change
+    def close(self) -> None: ...  # undo; idempotent; safe to call twice
+
+
+# ---------------------------------------------------------------- pure logic
+def relative_speed(speeds: Sequence[float], i: int) -> float:
+    """``speeds[i] / max(speeds)`` in (0, 1]; rejects a short or non-positive list."""
+    if not 0 <= i < len(speeds) or min(speeds) <= 0:
+        raise ThrottleError(f"speeds {tuple(speeds)} need a positive speed for worker {i}")
+    return speeds[i] / max(speeds)
+
+
+def allocate_cores(speeds: Sequence[float], n_cores: int) -> list[int]:
+    """Core counts in proportion to speeds, each >= 1, summing to ``n_cores``.
+
+    Workers whose share is below one core get exactly one and the rest is
+    re-shared; then largest remainder (ties: faster first). Exact arithmetic.
+    """
+    n = len(speeds)
+    if n_cores < n:
+        raise ThrottleError(
+            f"affinity backend needs at least {n} cores for {n} workers; "
+            f"this machine has {n_cores}; use --emulator delay or cgroup"
+        )
+    s = [Fraction(v) for v in speeds]
+    fixed: set[int] = set()
+    while True:
+        free = [i for i in range(n) if i not in fixed]
+        budget, total = n_cores - len(fixed), sum(s[i] for i in free)
+        quota = {i: budget * s[i] / total for i in free}
+        low = {i for i in free if quota[i] < 1}
+        if not low:
+            break
+        fixed |= low
+    counts = [1 if i in fixed else math.floor(quota[i]) for i in range(n)]
+    order = sorted(free, key=lambda i: (-(quota[i] - counts[i]), -s[i], i))
+    for i in order[: budget - sum(counts[j] for j in free)]:
+        counts[i] += 1
+    return counts
+
+
+def core_sets(speeds: Sequence[float], cores: Sequence[int]) -> list[tuple[int, ...]]:
+    """Disjoint consecutive slices of the sorted ``cores``, one per worker."""
+    ordered, out, at = sorted(cores), [], 0
+    for c in allocate_cores(speeds, len(ordered)):
+        out.append(tuple(ordered[at : at + c]))
+        at += c
+    return out
+
+
+def docker_argvs(speeds: Sequence[float], containers: Sequence[str], cpus: float) -> list[list[str]]:
+    """One ``docker update --cpus`` argv per container (3 decimals)."""
+    if len(containers) != len(speeds):
+        raise ThrottleError(
+            f"docker backend: {len(containers)} containers for {len(speeds)} workers; give one container per worker"
+        )
+    return [
+        ["docker", "update", "--cpus", f"{relative_speed(speeds, i) * cpus:.3f}", name]
+        for i, name in enumerate(containers)
+    ]
+
+
+# ---------------------------------------------------------- affinity, docker
+def _pin(pid: int, cores: Sequence[int]) -> None:
+    """Set the affinity of every thread of ``pid`` (pid alone pins only one thread)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:
+            continue  # a thread that just exited
+        except OSError as e:
+            raise ThrottleError(f"affinity backend: cannot pin {tid} to cores {sorted(cores)}: {e.strerror}") from None
+
+
+class AffinityThrottle:
+    """Pins process ``pid`` (local worker ``local_rank`` of ``local_world_size``) to its core share.
+
+    Every local worker must start with the same affinity (as launched), so their shares are disjoint.
+    """
+
+    def __init__(self, pid: int, rank: int, local_rank: int, local_world_size: int) -> None:
+        self.pid, self.local_rank, self.n = pid, local_rank, local_world_size
+        self.first = rank - local_rank  # ranks on one node are consecutive (as torchrun assigns them)
+        self.original = sorted(os.sched_getaffinity(pid))
+        allocate_cores([1.0] * local_world_size, len(self.original))  # too few cores: fail now
+        self.cores: tuple[int, ...] | None = None  # what this process is pinned to now
+
+    def apply(self, speeds: Sequence[float]) -> None:
+        local = list(speeds[self.first : self.first + self.n])
+        if len(local) != self.n:
+            raise ThrottleError(f"affinity backend: speeds {tuple(speeds)} have no entry for local worker {self.n}")
+        mine = core_sets(local, self.original)[self.local_rank]
+        if mine != self.cores:
+            _pin(self.pid, mine)
+            self.cores = mine
+            if self.pid == os.getpid():  # as many intra-op threads as cores, no more, no fewer
+                import torch
+
+                self._threads = getattr(self, "_threads", None) or torch.get_num_threads()
+                torch.set_num_threads(len(mine))
+
+    def close(self) -> None:
+        if self.cores is not None:
+            _pin(self.pid, self.original)
+            self.cores = None
+            if getattr(self, "_threads", None):
+                import torch
+
+                torch.set_num_threads(self._threads)
+
+
+class DockerThrottle:
+    """``docker update --cpus`` on every worker's container, run by local rank 0 only."""
+
+    def __init__(self, containers: Sequence[str], cpus: float, active: bool) -> None:
+        if not containers:
+            raise ThrottleError("docker backend needs one container name per worker (containers=...)")
+        self.containers, self.cpus, self.docker = tuple(containers), cpus, None
+        if active:
+            self.docker = shutil.which("docker")
+            if self.docker is None:
+                raise ThrottleError("docker backend: `docker` is not on PATH; install Docker or use --emulator delay")
+
+    def apply(self, speeds: Sequence[float]) -> None:
+        argvs = docker_argvs(speeds, self.containers, self.cpus)  # checked on every rank
+        if self.docker is None:
+            return  # not local rank 0
+        for argv in argvs:
+            try:
+                p = subprocess.run([self.docker, *argv[1:]], capture_output=True, text=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise ThrottleError(f"docker backend: `{' '.join(argv)}` failed: {e}") from None
+            if p.returncode != 0:
+                why = (p.stderr.strip().splitlines() or ["(no message)"])[0]
+                raise ThrottleError(f"docker backend: `{' '.join(argv)}` exited {p.returncode}: {why}")
+
+    def close(self) -> None:
+        """Nothing to undo here: the limits live on the containers, which their launcher owns."""
+
+
+_CGROUP_NAMES = ("CgroupLayout", "CgroupThrottle", "cgroup_quota_us", "cgroup_root", "cleanup_run", "detect_layout",
+                 "mount_fstype", "PERIOD_US", "MIN_QUOTA_US")
+
+
+def __getattr__(name: str):
+    """The cgroup backend lives in :mod:`omnilearn.emulation.cgroups`; its names are reachable from here too."""
+    if name in _CGROUP_NAMES:
+        from omnilearn.emulation import cgroups
+
+        return getattr(cgroups, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def preflight(name: str, local_world_size: int) -> None:
+    """Refuse up front what the OS will refuse anyway (before any run directory is written)."""
+    if name == "affinity":
+        if not hasattr(os, "sched_getaffinity"):
+            raise ThrottleError("affinity backend needs Linux (os.sched_setaffinity); use --emulator delay")
+        allocate_cores([1.0] * local_world_size, len(os.sched_getaffinity(0)))
+    elif name == "docker" and shutil.which("docker") is None:
+        raise ThrottleError("docker backend: no `docker` command on PATH; install the Docker CLI or use --emulator delay")
+    elif name == "cgroup":
+        from omnilearn.emulation.cgroups import _FIX, cgroup_root, detect_layout
+
+        layout = detect_layout(cgroup_root())
+        if not os.access(layout.path, os.W_OK):
+            raise ThrottleError(f"cgroup backend: cannot write {layout.path}; {_FIX}")
+
+
+def make_throttle(name: str, rank: int, local_rank: int, local_world_size: int, run_id: str,
+                  containers: Sequence[str] = (), cpus: float | None = None) -> Throttle:
+    """The ``name`` backend for this process; ``cpus``: CPUs of a full-speed worker."""
+    if name not in THROTTLES:
+        raise ThrottleError(f"unknown throttle {name!r}; choose one of {', '.join(THROTTLES)}")
+    if not 0 <= local_rank < local_world_size or rank < local_rank:
+        raise ThrottleError(f"rank {rank}, local rank {local_rank} of {local_world_size} do not fit together")
+    if cpus is not None and not (math.isfinite(cpus) and cpus > 0):
+        raise ThrottleError(f"cpus={cpus} must be a positive number")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if name == "cgroup":
+        from omnilearn.emulation.cgroups import CgroupThrottle, _check_run_id, cgroup_root
+
+        _check_run_id(run_id)
+        share = cpus or usable / local_world_size
+        return CgroupThrottle(os.getpid(), rank, run_id, share, cgroup_root())
+    if name == "affinity":
+        if not hasattr(os, "sched_setaffinity"):
+            raise ThrottleError("affinity backend needs Linux (os.sched_setaffinity); use --emulator delay")
+        return AffinityThrottle(os.getpid(), rank, local_rank, local_world_size)
+    share = cpus or usable / max(1, len(containers))
+    return DockerThrottle(containers, share, active=local_rank == 0)
+
+
+def run_id() -> str:
+    """Shared by every rank of a launch: names the run's cgroups."""
+    if "OMNILEARN_RUN_ID" in os.environ:
+        return os.environ["OMNILEARN_RUN_ID"]
+    return f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ.get('MASTER_PORT', '0')}"
+
+
+def for_run(cfg, rank: int, local_rank: int, local_world_size: int) -> Throttle | None:
+    """The OS-level speed emulator a config asks for (``--emulator cgroup|affinity|docker``), else None."""
+    if cfg.emulator not in ("cgroup", "affinity", "docker"):
+        return None
+    containers = tuple(cfg.containers.split(",")) if cfg.containers else ()
+    return make_throttle(cfg.emulator, rank, local_rank, local_world_size, run_id(), containers, cfg.throttle_cpus)

@@ -1,0 +1,252 @@
+"""``omnilearn bench --mode asp``: asynchronous training, uniform vs OmniLearn, at equal training time.
+
+Per setting (a heterogeneity level) and repeat, three arms, each given the
+same budget of training time (evaluation excluded):
+
+- ``uniform``: ASP, equal batches, no learning-rate scaling (the usual asynchronous baseline);
+- ``omnilearn``: ASP, batches re-tuned by the controller, linear learning-rate scaling;
+- ``bsp``: OmniLearn BSP (synchronous, controller omnilearn) with the BSP defaults
+  (SGD lr 0.05, momentum 0.9 for a step of B samples), as ``omnilearn train`` runs it.
+
+ASP arms use the paper's ASP HL table, ``bsp`` its BSP table. An ASP job needs
+a parameter server besides the workers, so all ASP arms run in one launch
+(arm order rotating per repeat) and the ``bsp`` arms in a second one. ASP
+arms stop at the budget (``max_time_s``); BSP has no time limit, so its
+``max_steps`` is estimated from the omnilearn ASP arm's throughput
+(x ``BSP_MARGIN``; ``--steps`` overrides). "Accuracy at budget" is the last
+evaluation (one per epoch of data, and one at the end) at or before the budget.
+Repeat k runs every arm with seed ``--seed + k``. Unless ``--lr-schedule``
+is given all arms use a constant rate: a step-based schedule would anneal
+arms that progress at different speeds differently by the budget.
+
+Writes ``OUT/<setting>-<arm>[-r<k>]/`` run directories, ``OUT/bench.json``,
+``OUT/bench.md`` and the table on stdout.
+
+    omnilearn bench --mode asp --quick --out runs/asp-quick   # HL8, 1 repeat: ~2-3 minutes on 2 cores
+    omnilearn bench --mode asp --repeats 3 --out runs/asp     # HL1..HL8, 3 seeds
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from statistics import fmean
+from typing import Callable
+
+from omnilearn.experiments import launch
+from omnilearn.experiments.bench import Arm
+from omnilearn.experiments.bench import parse_settings as parse_any_setting
+from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, eval_points, spread,
+                                  staleness_histogram, time_to_accuracy)
+from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
+from omnilearn.observe.rundir import RunDirError, prepare, read_metrics, write_json
+
+SETTINGS = ("HL1", "HL2", "HL4", "HL8")
+QUICK_SETTINGS = ("HL8",)
+ARMS = ("uniform", "omnilearn", "bsp")
+BSP_LR, BSP_MOMENTUM = TrainConfig.lr, TrainConfig.momentum  # the bsp arm's optimizer: the BSP defaults
+BUDGET_S = {"full": 60.0, "quick": 20.0}  # training seconds per arm
+ASP_MAX_STEPS = 10**6  # ASP arms stop on time, long before this (and --epochs is lifted to match)
+BSP_MARGIN = 1.3  # bsp steps: this many times what the ASP throughput would do in the budget
+REPEATED = ("test_accuracy", "accuracy_at_budget", "time_to_accuracy_s", "train_s")
+PER_WORKER_MEANS = ("mean_staleness_per_worker", "updates_per_s_per_worker", "mean_batch_per_worker",
+                    "mean_cycle_s_per_worker", "mean_compute_s_per_worker")
+
+
+def parse_settings(text: str) -> tuple[str, ...]:
+    settings = parse_any_setting(text)
+    if "paper" in settings:
+        raise ConfigError("bench --mode asp runs fixed levels (HL1,HL2,HL4,HL8); the step-based 'paper' "
+                          "routine has no equal-time meaning here")
+    return settings
+
+
+def _out(out: Path, setting: str, arm: str, rep: int, repeats: int) -> str:
+    return str(out / (f"{setting}-{arm}" if repeats == 1 else f"{setting}-{arm}-r{rep}"))
+
+
+def plan_asp(base: TrainConfig, settings: tuple[str, ...], repeats: int, budget_s: float, out: Path) -> list[Arm]:
+    arms = []
+    for rep in range(repeats):
+        for setting in settings:
+            names = ARMS[:2] if rep % 2 == 0 else ARMS[1::-1]
+            for name in names:
+                cfg = dataclasses.replace(
+                    base, mode="asp", controller=name, lr_scaling="none" if name == "uniform" else "linear",
+                    speeds=setting, speed_schedule=None, seed=base.seed + rep, max_time_s=budget_s,
+                    max_steps=ASP_MAX_STEPS, epochs=ASP_MAX_STEPS, out=_out(out, setting, name, rep, repeats),
+                    overwrite=True)
+                arms.append(Arm(setting, name, rep, launch.Job(cfg, Path(cfg.out))))
+    return arms
+
+
+def plan_bsp(base: TrainConfig, settings: tuple[str, ...], repeats: int, steps: dict[str, int], out: Path) -> list[Arm]:
+    arms = []
+    for rep in range(repeats):
+        for setting in settings:
+            cfg = dataclasses.replace(
+                base, mode="bsp", controller="omnilearn", lr=BSP_LR, momentum=BSP_MOMENTUM, lr_scaling="linear",
+                staleness_lr=False, max_time_s=None, speeds=setting, speed_schedule=None, seed=base.seed + rep,
+                max_steps=steps[setting], epochs=steps[setting], out=_out(out, setting, "bsp", rep, repeats),
+                overwrite=True)  # epochs: no cap below max_steps
+            arms.append(Arm(setting, "bsp", rep, launch.Job(cfg, Path(cfg.out))))
+    return arms
+
+
+def bsp_steps(asp_results: list[dict], settings: tuple[str, ...], budget_s: float, global_batch: int) -> dict[str, int]:
+    """Steps for the bsp arm to cover the budget: the omnilearn ASP arm's samples/s, with a margin."""
+    out = {}
+    for s in settings:
+        rates = [r["samples_per_s"] for r in asp_results if r["setting"] == s and r["arm"] == "omnilearn"]
+        rate = fmean(rates) if rates else max(r["samples_per_s"] for r in asp_results if r["setting"] == s)
+        out[s] = max(1, math.ceil(BSP_MARGIN * budget_s * rate / global_batch))
+    return out
+
+
+def measure(arm: Arm, budget_s: float, target: float | None) -> dict:
+    """The figures of one finished arm, read back from its run directory."""
+    cfg, run_dir = arm.job.cfg, arm.job.run_dir
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = read_metrics(run_dir)
+    points = eval_points(records)
+    out = {"setting": arm.setting, "arm": arm.arm, "repeat": arm.repeat, "seed": cfg.seed, "run_dir": str(run_dir),
+           "levels": cfg.mode, "train_s": summary["train_s"], "test_accuracy": summary.get("test_accuracy"),
+           "accuracy_at_budget": accuracy_at_time(points, budget_s), "samples_per_s": summary["samples_per_s"],
+           "time_to_accuracy_s": time_to_accuracy([{"wall_s": t, "test_accuracy": a} for t, a in points], target),
+           "accuracy_curve": [list(p) for p in points]}
+    if cfg.mode == "bsp":  # synchronous: every gradient is computed on the current weights
+        rate = summary["steps"] / summary["train_s"]
+        workers = summary.get("workers") or []
+        return {**out, "updates": summary["steps"], "mean_staleness": 0.0, "max_staleness": 0,
+                "mean_staleness_per_worker": [0.0] * cfg.workers, "max_staleness_per_worker": [0] * cfg.workers,
+                "updates_per_s_per_worker": [rate] * cfg.workers,
+                "mean_batch_per_worker": [w["mean_batch"] for w in workers] or None,
+                "mean_cycle_s_per_worker": None,
+                "mean_compute_s_per_worker": [w["mean_compute_s"] for w in workers] or None,
+                "staleness_histogram": None}
+    ws = summary["workers"]
+    pushes = [r for r in records if r.get("event") == "push"]
+    return {**out, "updates": summary["updates"], "mean_staleness": summary["mean_staleness"],
+            "max_staleness": summary["max_staleness"],
+            "mean_staleness_per_worker": [w["mean_staleness"] for w in ws],
+            "max_staleness_per_worker": [w["max_staleness"] for w in ws],
+            "updates_per_s_per_worker": [w["updates_per_s"] for w in ws],
+            "mean_batch_per_worker": [w["mean_batch"] for w in ws],
+            "mean_cycle_s_per_worker": [w["mean_cycle_s"] for w in ws],
+            "mean_compute_s_per_worker": [w["mean_compute_s"] for w in ws],
+            "staleness_histogram": staleness_histogram(pushes, cfg.workers)}
+
+
+def _columns(lists: list, combine: Callable) -> list | None:
+    if any(v is None for v in lists):
+        return None
+    return [combine(col) for col in zip(*lists)]
+
+
+def merge(results: list[dict], settings: tuple[str, ...], budget_s: float) -> list[dict]:
+    """One row per setting x arm: repeats kept per figure (``per_repeat``) with mean, min and max."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["setting"], r["arm"]), []).append(r)
+    rows = []
+    for (setting, arm), rs in sorted(groups.items(), key=lambda kv: (settings.index(kv[0][0]), ARMS.index(kv[0][1]))):
+        rs = sorted(rs, key=lambda r: r["repeat"])
+        row = {"setting": setting, "arm": arm, "levels": rs[0]["levels"], "repeats": len(rs),
+               "seeds": [r["seed"] for r in rs], "run_dirs": [r["run_dir"] for r in rs]}
+        for key in REPEATED:
+            row[key] = {**spread([r[key] for r in rs]), "per_repeat": [r[key] for r in rs]}
+        row.update(updates=fmean(r["updates"] for r in rs), samples_per_s=fmean(r["samples_per_s"] for r in rs),
+                   mean_staleness=fmean(r["mean_staleness"] for r in rs),
+                   max_staleness=max(r["max_staleness"] for r in rs),
+                   max_staleness_per_worker=_columns([r["max_staleness_per_worker"] for r in rs], max),
+                   covers_budget=all(r["train_s"] >= 0.98 * budget_s for r in rs))
+        for key in PER_WORKER_MEANS:
+            row[key] = _columns([r[key] for r in rs], fmean)
+        hists = [r["staleness_histogram"] for r in rs]
+        row["staleness_histogram"] = None if None in hists else add_histograms(hists)
+        row["accuracy_curves"] = [r["accuracy_curve"] for r in rs]
+        rows.append(row)
+    return rows
+
+
+def _launch(arms: list[Arm], out: Path) -> None:
+    for a in arms:
+        prepare(str(a.job.run_dir), True, dump_toml(a.job.cfg))
+    launch.run_local([a.job for a in arms], out)
+
+
+def run(base: TrainConfig, settings: tuple[str, ...], budget_s: float, repeats: int, bsp_steps_given: int | None,
+        target: float | None, out: Path, overwrite: bool, length: str) -> dict:
+    if (out / "bench.json").exists() and not overwrite:
+        raise RunDirError(f"--out {str(out)!r} already holds a bench (bench.json); choose another --out or pass "
+                          "--overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("error-rank*.log"):
+        stale.unlink()
+    asp = plan_asp(base, settings, repeats, budget_s, out)
+    print(f"omnilearn bench --mode asp: {len(asp)} asp runs + {repeats * len(settings)} bsp runs ({length}) of "
+          f"{base.workers} workers, {budget_s:g} s of training each, settings {','.join(settings)}, into {out}",
+          flush=True)
+    _launch(asp, out)
+    measured = [measure(a, budget_s, target) for a in asp]
+    steps = ({s: bsp_steps_given for s in settings} if bsp_steps_given
+             else bsp_steps(measured, settings, budget_s, base.global_batch))
+    bsp = plan_bsp(base, settings, repeats, steps, out)
+    _launch(bsp, out)
+    measured += [measure(a, budget_s, target) for a in bsp]
+    rows = merge(measured, settings, budget_s)
+    bench = {"train_mode": "asp", "mode": length, "time_budget_s": budget_s, "settings": list(settings),
+             "arms": list(ARMS), "workers": base.workers, "global_batch": base.global_batch,
+             "control_interval": base.control_interval, "lr": base.lr, "bsp_lr": BSP_LR, "bsp_momentum": BSP_MOMENTUM,
+             "lr_schedule": base.lr_schedule, "repeats": repeats, "seeds": [base.seed + k for k in range(repeats)],
+             "bsp_steps": steps, "target_accuracy": target, "results": rows}
+    write_json(out / "bench.json", bench)
+    (out / "bench.md").write_text(asp_markdown_table(rows, budget_s, target) + "\n")
+    return bench
+
+
+def _options(args, budget_s: float | None) -> tuple[str, tuple[str, ...], float, int | None]:
+    """(length, settings, budget, bsp steps or None) from the CLI flags, checked."""
+    length = "quick" if getattr(args, "quick", False) else "full"
+    settings = parse_settings(getattr(args, "speeds", ",".join(QUICK_SETTINGS if length == "quick" else SETTINGS)))
+    if hasattr(args, "block_steps"):
+        raise ConfigError("--block-steps is for the paper routine of a BSP bench; --mode asp runs --time-budget-s")
+    budget_s = BUDGET_S[length] if budget_s is None else budget_s
+    if not (math.isfinite(budget_s) and budget_s > 0):
+        raise ConfigError(f"--time-budget-s {budget_s:g} must be a positive number of seconds, e.g. 30")
+    steps = getattr(args, "steps", None)
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps {steps} (the bsp arm's steps) must be at least 1")
+    return length, settings, budget_s, steps
+
+
+def command(args, make_config: Callable[..., TrainConfig], render: Callable[[Path], None], budget_s: float | None,
+            repeats: int, target: float | None) -> int:
+    """The CLI's ``bench --mode asp`` (``make_config``/``render``: the CLI's config builder and plotter)."""
+    from omnilearn.experiments import workload
+    from omnilearn.experiments.workload import resolve
+
+    length, settings, budget_s, steps = _options(args, budget_s)
+    base = make_config(args, speeds=None, out=None, quiet=True)
+    if "lr_schedule" not in vars(args) and base.lr_schedule == "cosine":
+        base = dataclasses.replace(base, lr_schedule="constant")
+    out = Path(getattr(args, "out", None) or Path("runs") / time.strftime("bench-asp-%Y%m%d-%H%M%S"))
+    n_train = len(workload.check(base).train)
+    bsp_probe = dict.fromkeys(settings, steps or 1)
+    for arm in plan_asp(base, settings, 1, budget_s, out) + plan_bsp(base, settings, 1, bsp_probe, out):
+        resolve(arm.job.cfg, n_train)  # every arm valid before anything runs
+    result = run(base, settings, budget_s, repeats, steps, target, out, getattr(args, "overwrite", False), length)
+    for r in result["results"]:
+        if not r["covers_budget"]:
+            print(f"omnilearn bench: warning: {r['setting']}-{r['arm']} trained {r['train_s']['min']:.1f} s, less "
+                  f"than the budget {budget_s:g} s" + ("; raise --steps" if r["arm"] == "bsp" else ""), file=sys.stderr)
+    print(asp_markdown_table(result["results"], budget_s, target))
+    print(f"bench: {out / 'bench.json'}")
+    if getattr(args, "plots", True):
+        for path in [out, *sorted({Path(d) for r in result["results"] for d in r["run_dirs"]})]:
+            render(path)
+    return 0

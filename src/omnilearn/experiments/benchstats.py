@@ -1,0 +1,234 @@
+"""The figures ``omnilearn bench`` reports, computed from per-step metrics. Pure.
+
+Per arm: the mean wall time per step (training loop, evaluation excluded),
+samples/s, ``T*`` and balance efficiency (see :mod:`omnilearn.balance.efficiency`),
+each worker's mean wait, and for a dynamic routine the reaction time to each
+speed change. Across arms of one setting: speed-up over ``uniform`` and the
+ideal speed-up ``uniform step / T*``. For ``bench --mode asp``: accuracy at a
+training-time budget, staleness histograms, repeats as mean and range, and
+its table. Test: ``pytest tests/unit/test_benchstats.py``.
+"""
+
+from __future__ import annotations
+
+from statistics import fmean, median
+from typing import Iterable, Sequence
+
+from omnilearn.balance.efficiency import StepRow, balance_efficiency, by_step, ideal_step_s, measured_step_s, worker_stats
+
+REACTION_WINDOW = 5  # steps in the rolling median that decides "back within 10% of T*"
+
+
+def rows_from_records(records: Iterable[dict]) -> list[StepRow]:
+    return [StepRow(r["step"], r["rank"], r["batch"], r["compute_s"], r["wait_s"], r["step_s"])
+            for r in records if r.get("event") == "step"]
+
+
+def reaction_steps(rows: Sequence[StepRow], change_steps: Sequence[int], end_step: int,
+                   tolerance: float = 0.10, window: int = REACTION_WINDOW) -> list[int | None]:
+    """Steps after each change until the step time is back within ``tolerance`` of T*.
+
+    "Back" means: that step is within tolerance and so is the median of the
+    ``window`` steps from it on (one lucky step does not count). ``None``
+    where it never got there before the next change (or ``end_step``).
+    """
+    steps = by_step(rows)
+    measured = {s: measured_step_s(v) for s, v in steps.items()}
+    ideal = {s: ideal_step_s(v) for s, v in steps.items()}
+    bounds = list(change_steps) + [end_step]
+    out: list[int | None] = []
+    for start, stop in zip(bounds, bounds[1:]):
+        found = None
+        for j in range(start, stop - window + 1):
+            span = [s for s in range(j, j + window) if s in measured]
+            settled = j in measured and measured[j] <= (1 + tolerance) * ideal[j]
+            if settled and median(measured[s] for s in span) <= (1 + tolerance) * median(ideal[s] for s in span):
+                found = j - start
+                break
+        out.append(found)
+    return out
+
+
+def settle_steps(rows: Sequence[StepRow], change_steps: Sequence[int], end_step: int,
+                 tolerance: float = 0.10, window: int = REACTION_WINDOW) -> list[int | None]:
+    """Steps after each change until the step time is within ``tolerance`` of where the block settles.
+
+    The settled time is the median step time of the block's last third. Unlike
+    :func:`reaction_steps` this does not depend on how close to ``T*`` the
+    host's sync overhead lets a balanced step come.
+    """
+    measured = {s: measured_step_s(v) for s, v in by_step(rows).items()}
+    bounds = list(change_steps) + [end_step]
+    out: list[int | None] = []
+    for start, stop in zip(bounds, bounds[1:]):
+        tail = [measured[s] for s in range(stop - max(1, (stop - start) // 3), stop) if s in measured]
+        limit = (1 + tolerance) * median(tail) if tail else None
+        found = None
+        for j in range(start, stop - window + 1):
+            span = [measured[s] for s in range(j, j + window) if s in measured]
+            if limit and j in measured and measured[j] <= limit and median(span) <= limit:
+                found = j - start
+                break
+        out.append(found)
+    return out
+
+
+def time_to_accuracy(evals: Sequence[dict], target: float | None) -> float | None:
+    """Training time (s) of the first evaluation reaching ``target`` test accuracy."""
+    if target is None:
+        return None
+    hits = [e["wall_s"] for e in evals if e["test_accuracy"] >= target]
+    return min(hits) if hits else None
+
+
+def fidelity_error(rows: Sequence[StepRow], speeds: Sequence[float], first_step: int = 0) -> float:
+    """Largest relative error of the workers' compute ratios against the declared slowdowns.
+
+    Meaningful for equal batches (the ``uniform`` arm): worker i should take
+    ``max(s) / s_i`` times as long as the fastest.
+    """
+    stats = worker_stats(rows, first_step)
+    fastest = max(range(len(speeds)), key=lambda i: speeds[i])
+    base = stats[fastest].mean_compute_s
+    errors = [abs((s.mean_compute_s / base) / (max(speeds) / speeds[s.rank]) - 1) for s in stats]
+    return max(errors)
+
+
+def arm_figures(rows: Sequence[StepRow], global_batch: int, wall_step_s: float, first_step: int) -> dict:
+    """Step-time figures of one arm over the steps ``>= first_step``."""
+    kept = [v for s, v in by_step(rows).items() if s >= first_step]
+    stats = worker_stats(rows, first_step)
+    return {
+        "mean_step_s": wall_step_s,
+        "samples_per_s": global_batch / wall_step_s,
+        "in_step_s": fmean(measured_step_s(v) for v in kept),
+        "ideal_step_s": fmean(ideal_step_s(v) for v in kept),
+        "balance_efficiency": balance_efficiency(rows, first_step),
+        "mean_batch": [s.mean_batch for s in stats],
+        "compute_s_per_worker": [s.mean_compute_s for s in stats],
+        "wait_s_per_worker": [s.mean_wait_s for s in stats],
+    }
+
+
+def add_speedups(results: list[dict], balanced_arm: str = "omnilearn") -> None:
+    """Fill ``speedup`` and ``ideal_speedup`` in place.
+
+    ``speedup``: uniform wall time per step / the arm's. ``ideal_speedup``, one
+    per setting: uniform in-step time / ``T*`` of the balanced arm (both
+    measured inside the steps, over the same range of steps), i.e. the most
+    balancing could win over equal batches on these workers.
+    """
+    uniform = {r["setting"]: r for r in results if r["arm"] == "uniform"}
+    balanced = {r["setting"]: r for r in results if r["arm"] == balanced_arm}
+    for r in results:
+        base, best = uniform.get(r["setting"]), balanced.get(r["setting"])
+        r["speedup"] = base["mean_step_s"] / r["mean_step_s"] if base else None
+        ok = base and best and base.get("in_step_s") and best.get("ideal_step_s")
+        r["ideal_speedup"] = base["in_step_s"] / best["ideal_step_s"] if ok else None
+
+
+def _steps(values: Sequence[int | None] | None) -> str:
+    return "–" if values is None else ",".join("never" if x is None else str(x) for x in values)
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(results: Sequence[dict]) -> str:
+    head = ("| setting | arm | step ms | samples/s | speed-up | ideal speed-up | balance eff. | "
+            "mean wait ms per worker | reaction steps (to T*+10%) | settle steps |")
+    lines = [head, "|" + "---|" * 10]
+    for r in results:
+        wait = "/".join(f"{w * 1e3:.1f}" for w in r.get("wait_s_per_worker") or []) or "–"
+        react, settle = (_steps(r.get("reaction_steps")), _steps(r.get("settle_steps")))
+        lines.append(
+            f"| {r['setting']} | {r['arm']} | {r['mean_step_s'] * 1e3:.1f} | {r['samples_per_s']:.0f} | "
+            f"{_fmt(r.get('speedup'), '.2f')} | {_fmt(r.get('ideal_speedup'), '.2f')} | "
+            f"{_fmt(r.get('balance_efficiency'), '.3f')} | {wait} | {react} | {settle} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- bench --mode asp
+
+def eval_points(records: Iterable[dict]) -> list[tuple[float, float]]:
+    """(training time s, test accuracy) of every evaluation, in time order.
+
+    BSP: the eval's own ``wall_s``. ASP (``push`` records present): the
+    ``wall_s`` of the push that made the evaluated weights (version 0: 0 s),
+    so the final evaluation, taken after the last worker stopped, counts at
+    the moment the last update was applied, not when the stragglers returned.
+    """
+    records = list(records)
+    pushed = {r["version"]: r["wall_s"] for r in records if r.get("event") == "push"}
+    out = []
+    for r in records:
+        if r.get("event") != "eval" or not isinstance(r.get("test_accuracy"), (int, float)):
+            continue
+        if pushed and "version" in r:
+            t = 0.0 if r["version"] == 0 else pushed.get(r["version"], r["wall_s"])
+        else:
+            t = r["wall_s"]
+        out.append((float(t), float(r["test_accuracy"])))
+    return sorted(out, key=lambda p: p[0])
+
+
+def accuracy_at_time(points: Sequence[tuple[float, float]], budget_s: float) -> float | None:
+    """Test accuracy of the last evaluation at or before ``budget_s`` of training; ``None`` if none was."""
+    before = [(t, a) for t, a in points if t <= budget_s]
+    return max(before, key=lambda p: p[0])[1] if before else None
+
+
+def staleness_histogram(pushes: Iterable[dict], workers: int) -> list[list[int]]:
+    """``counts[w][s]``: pushes of worker ``w`` applied with staleness ``s``; all rows as long as the largest."""
+    counts: list[dict[int, int]] = [{} for _ in range(workers)]
+    for p in pushes:
+        row = counts[p["rank"]]
+        row[p["staleness"]] = row.get(p["staleness"], 0) + 1
+    top = max((s for row in counts for s in row), default=-1)
+    return [[row.get(s, 0) for s in range(top + 1)] for row in counts]
+
+
+def add_histograms(hists: Sequence[list[list[int]]]) -> list[list[int]]:
+    """Element-wise sum of per-worker histograms (repeats), padded to the longest."""
+    if not hists:
+        return []
+    width = max((len(row) for h in hists for row in h), default=0)
+    return [[sum(h[w][s] if s < len(h[w]) else 0 for h in hists) for s in range(width)]
+            for w in range(len(hists[0]))]
+
+
+def spread(values: Sequence[float | None]) -> dict:
+    """Mean, min and max of repeats; all ``None`` when any repeat has no value."""
+    if not values or any(v is None for v in values):
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": fmean(values), "min": min(values), "max": max(values)}
+
+
+def _pct(s: dict) -> str:
+    if s["mean"] is None:
+        return "–"
+    return f"{s['mean'] * 100:.1f}" + (f" ({s['min'] * 100:.1f}–{s['max'] * 100:.1f})" if s["max"] > s["min"] else "")
+
+
+def asp_markdown_table(results: Sequence[dict], budget_s: float, target: float | None) -> str:
+    """The ``bench --mode asp`` table, with a footnote on what each column means."""
+    goal = "target" if target is None else f"{target * 100:g}%"
+    lines = [f"| setting | HL table | arm | train s | final test acc % | acc % at budget | time to {goal} s | "
+             "mean staleness | max staleness | mean staleness per worker | updates/s per worker |", "|" + "---|" * 11]
+    for r in results:
+        tta = r.get("time_to_accuracy_s")
+        tta_text = "–" if target is None else "never" if tta["mean"] is None else f"{tta['mean']:.1f}"
+        rates = "/".join(f"{u:.1f}" for u in r.get("updates_per_s_per_worker") or []) or "–"
+        stale = "/".join(f"{u:.1f}" for u in r.get("mean_staleness_per_worker") or []) or "–"
+        lines.append(
+            f"| {r['setting']} | {r['levels']} | {r['arm']} | {r['train_s']['mean']:.1f} | "
+            f"{_pct(r['test_accuracy'])} | "
+            f"{_pct(r['accuracy_at_budget'])} | {tta_text} | {_fmt(r.get('mean_staleness'), '.2f')} | "
+            f"{_fmt(r.get('max_staleness'), 'd')} | {stale} | {rates} |")
+    lines.append(f"\nBudget {budget_s:g} s of training per arm (evaluation excluded). Accuracy: mean over repeats "
+                 "(min–max); at budget: the last evaluation at or before it. asp arms: the ASP HL table, "
+                 "bsp: the BSP table (synchronous: staleness 0, updates/s = steps/s). Mean staleness over all "
+                 "pushes is about workers - 1 whatever the balance; per worker and max show it.")
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""Matplotlib drawing for ``omnilearn.experiments.report.runs``: one function per PNG, Agg backend, no data reading.
+
+Each function takes ready-made series, saves one figure (dpi 110), closes it
+and returns the path (ASP runs and benches: :mod:`omnilearn.experiments.report.aspplots`). Use
+it through ``omnilearn.experiments.report.runs.render``:
+
+    omnilearn report runs/demo
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.transforms import blended_transform_factory  # noqa: E402
+
+if TYPE_CHECKING:
+    from omnilearn.experiments.report.runs import RunData
+
+DPI = 110
+SIZE = (9, 5)
+WINDOW = 5
+ARM_COLORS = {"uniform": "tab:gray", "static": "tab:orange", "omnilearn": "tab:blue", "ddp": "tab:green"}
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _marker(n: int) -> str | None:
+    """Points for series too short to show as a line."""
+    return "o" if n < 3 else None
+
+
+def _speed_text(speeds: Sequence[float]) -> str:
+    return "speeds " + "/".join(f"{s:g}" for s in speeds)
+
+
+def mark_events(ax, data: RunData, annotate: bool = True) -> None:
+    """Dashed lines at speed changes (annotated with the new speeds), dotted at applied rebalances."""
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    for k, (step, speeds) in enumerate(data.speed_changes):
+        ax.axvline(step, color="black", linestyle="--", linewidth=1, label="speed change" if k == 0 else None)
+        if annotate:
+            ax.annotate(_speed_text(speeds), xy=(step, 0.98), xycoords=top, xytext=(3, 0), textcoords="offset points",
+                        rotation=90, va="top", ha="left", fontsize=8,
+                        bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
+    for k, step in enumerate(data.rebalances):
+        ax.axvline(step, color="tab:red", linestyle=":", linewidth=1.2, label="controller change" if k == 0 else None)
+
+
+def batches(path: Path, data: RunData) -> Path:
+    fig, ax = plt.subplots(figsize=SIZE)
+    m = _marker(len(data.steps))
+    for rank in data.ranks:
+        ax.step(data.steps, data.per_rank["batch"][rank], where="post", marker=m, linewidth=1.8,
+                label=f"rank {rank}")
+    mark_events(ax, data)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("local batch (samples)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
+    ax.set_title("Per-worker batch size (dashed: speed change, dotted: controller change applied)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def compute_wait(path: Path, data: RunData, smooth: Callable[[Sequence[float]], list[float]]) -> Path:
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    m = _marker(len(data.steps))
+    for rank in data.ranks:
+        color = f"C{rank % 10}"
+        for ax, field in ((top, "compute_s"), (bottom, "wait_s")):
+            ms = [v * 1e3 for v in data.per_rank[field][rank]]
+            ax.plot(data.steps, smooth(ms), color=color, marker=m, linewidth=1.6, label=f"rank {rank}")
+    for ax, what in ((top, "compute"), (bottom, "wait (sync)")):
+        mark_events(ax, data, annotate=ax is top)
+        ax.set_ylabel(f"{what} (ms)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    bottom.set_xlabel("step")
+    top.set_title(f"Per-worker compute and wait time per step (rolling median of {WINDOW} steps)")
+    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    return _save(fig, path)
+
+
+def step_time(path: Path, data: RunData, measured_ms: Sequence[float], ideal_ms: Sequence[float],
+              efficiency: float | None) -> Path:
+    fig, ax = plt.subplots(figsize=SIZE)
+    m = _marker(len(data.steps))
+    ax.plot(data.steps, measured_ms, color="tab:blue", marker=m, linewidth=1.8, label="measured (mean of workers)")
+    ax.plot(data.steps, ideal_ms, color="tab:green", marker=m, linewidth=1.8, linestyle="-.",
+            label="ideal T* = B/Σv + min wait")
+    mark_events(ax, data)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    title = f"Step time: measured vs ideal (rolling median of {WINDOW} steps)"
+    if isinstance(efficiency, (int, float)):
+        title += f"\nbalance efficiency η = {efficiency:.3f} over the last half (summary.json)"
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def loss_accuracy(path: Path, time_s: Sequence[float], loss: Sequence[float], eval_s: Sequence[float],
+                  accuracy: Sequence[float | None], xlabel: str = "training time (s, sum of step times)",
+                  loss_label: str = "train loss (batch-weighted over workers)") -> Path:
+    fig, ax = plt.subplots(figsize=SIZE)
+    line = ax.plot(time_s, loss, color="tab:blue", marker=_marker(len(time_s)), linewidth=1.5, label=loss_label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("train loss (cross-entropy)")
+    ax.grid(alpha=0.3)
+    handles = list(line)
+    points = [(t, a * 100) for t, a in zip(eval_s, accuracy) if isinstance(a, (int, float))]
+    if points:
+        acc = ax.twinx()
+        xs, ys = zip(*points)
+        handles += acc.plot(xs, ys, color="tab:orange", marker="o", linewidth=1.5, label="test accuracy")
+        acc.set_ylabel("test accuracy (%)")
+        acc.set_ylim(0, 100)
+    ax.set_title("Training loss and test accuracy over training time")
+    ax.legend(handles=handles, loc="center right", fontsize=9)
+    return _save(fig, path)
+
+
+def _grouped(ax, settings: list[str], arms: list[str], values: dict, fmt: str) -> float:
+    """Grouped bars (one group per setting, one bar per arm); missing values are skipped. Returns bar width."""
+    width = 0.8 / max(1, len(arms))
+    for j, arm in enumerate(arms):
+        xs = [i + (j - (len(arms) - 1) / 2) * width for i, s in enumerate(settings) if values[s, arm] is not None]
+        ys = [values[s, arm] for s in settings if values[s, arm] is not None]
+        if xs:
+            bars = ax.bar(xs, ys, width, color=ARM_COLORS.get(arm, f"C{(j + 4) % 10}"), label=arm)
+            ax.bar_label(bars, fmt=fmt, fontsize=7, padding=1)
+        for i, s in enumerate(settings):
+            if values[s, arm] is None:
+                ax.text(i + (j - (len(arms) - 1) / 2) * width, 0, "n/a", ha="center", va="bottom", fontsize=7,
+                        rotation=90, color="dimgray")
+    ax.set_xticks(range(len(settings)), settings)
+    ax.set_xlabel("setting (heterogeneity level)")
+    ax.grid(axis="y", alpha=0.3)
+    return width
+
+
+def speedup(path: Path, settings: list[str], arms: list[str], values: dict, ideal: dict) -> Path:
+    fig, ax = plt.subplots(figsize=SIZE)
+    _grouped(ax, settings, arms, values, "%.2f")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    first = True
+    for i, s in enumerate(settings):
+        if ideal.get(s) is not None:
+            ax.hlines(ideal[s], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1.5,
+                      label="ideal: uniform step / T*" if first else None)
+            first = False
+    top = max([v for v in values.values() if v is not None] + [v for v in ideal.values() if v is not None])
+    ax.set_ylim(0, top * 1.15)
+    ax.set_ylabel("speed-up over uniform batches (×)")
+    ax.set_title("Speed-up over uniform batches per setting (uniform = 1.0)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    return _save(fig, path)
+
+
+def efficiency(path: Path, settings: list[str], arms: list[str], values: dict) -> Path:
+    fig, ax = plt.subplots(figsize=SIZE)
+    _grouped(ax, settings, arms, values, "%.2f")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ideal (η = 1)")
+    ax.set_ylim(0, max([1.0] + [v for v in values.values() if v is not None]) * 1.12)
+    ax.set_ylabel("balance efficiency η = T* / T measured")
+    ax.set_title("Balance efficiency per setting and arm")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    return _save(fig, path)

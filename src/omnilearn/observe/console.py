@@ -1,0 +1,78 @@
+"""Human output (rank 0 only): a live progress line, rebalance notes, the final table.
+
+On a terminal the progress line rewrites itself in place; in a log (CI, a
+pipe) each update is its own line. Machine-readable output lives in the run
+directory, never here.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence, TextIO
+
+from omnilearn.balance.efficiency import WorkerStats
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _batches(batches: Sequence[int]) -> str:
+    return "/".join(str(b) for b in batches)
+
+
+class Console:
+    def __init__(self, stream: TextIO | None = None, quiet: bool = False) -> None:
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty()
+        self.quiet = quiet  # only info() lines
+        self._open_line = False
+
+    def _emit(self, text: str, transient: bool = False) -> None:
+        if self.quiet:
+            return
+        if self.live and transient:
+            self.stream.write("\r\033[K" + text)
+            self._open_line = True
+        else:
+            if self._open_line:
+                self.stream.write("\r\033[K")
+            self.stream.write(text + "\n")
+            self._open_line = False
+        self.stream.flush()
+
+    def line(self, text: str, transient: bool = False) -> None:
+        """A progress line (``transient``: rewritten in place on a terminal); nothing when quiet."""
+        self._emit(text, transient)
+
+    def info(self, text: str) -> None:
+        if self._open_line:
+            self.stream.write("\r\033[K")
+            self._open_line = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def progress(self, step: int, total: int | str, epoch: int, loss: float, batches: Sequence[int],
+                 step_s: float, ideal_s: float, max_wait_s: float) -> None:
+        self._emit(
+            f"step {step:>5}/{total} | epoch {epoch:>3} | loss {loss:.4f} | batches {_batches(batches)} | "
+            f"step {_ms(step_s)} ms (ideal {_ms(ideal_s)}) | max wait {_ms(max_wait_s)} ms",
+            transient=True,
+        )
+
+    def rebalance(self, step: int, effective: int, old: Sequence[int], new: Sequence[int],
+                  times_s: Sequence[float]) -> None:
+        times = "/".join(_ms(t) for t in times_s)
+        self._emit(f"rebalance after step {step}: {_batches(old)} -> {_batches(new)} "
+                   f"from step {effective} (compute ms {times})")
+
+    def speeds(self, step: int, speeds: Sequence[float]) -> None:
+        self._emit(f"speeds change at step {step}: " + ",".join(f"{s:g}" for s in speeds))
+
+    def table(self, stats: Sequence[WorkerStats], declared: Sequence[float] | None, first_step: int) -> None:
+        self._emit(f"per worker, steps {first_step}+ (last half of the run):")
+        self._emit(f"{'rank':>4} {'declared':>8} {'batch':>7} {'compute ms':>10} {'wait ms':>8} {'samples/s':>10}")
+        for s in stats:
+            speed = f"{declared[s.rank]:g}" if declared else "varied"
+            self._emit(f"{s.rank:>4} {speed:>8} {s.mean_batch:>7.1f} {_ms(s.mean_compute_s):>10} "
+                       f"{_ms(s.mean_wait_s):>8} {s.speed:>10.0f}")
