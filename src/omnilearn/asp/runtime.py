@@ -24,10 +24,11 @@ from omnilearn.observe.asplog import ASPLog
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.balance.controllers import Observation, make_controller
 from omnilearn.distributed.group import DistContext, pick_device
-from omnilearn.distributed.hooks import StepClock
+from omnilearn.emulation.delay import DelayEmulator
 from omnilearn.distributed.ps import HELLO, PUSH, PeerTimeout, Request, ServerLink, WorkerLink
 from omnilearn.experiments.workload import resolve
 from omnilearn.emulation.speeds import slowdown
+from omnilearn.timing import StepTimer
 
 MIN_PUSHES_PER_WORKER = 3  # at the current batches, before a decision
 
@@ -198,21 +199,25 @@ class ASPWorker:
         self.model = workload.build_model(cfg, splits).to(self.device)
         self.flat = Flat(self.model)
         self.link = WorkerLink(self.flat.size, cfg.upper_batch, cfg.timeout_s)
-        self.clock = StepClock(device=self.device)
+        self.timer = StepTimer(self.device)
+        self.emulator = DelayEmulator(self.timer)
 
     def run(self) -> None:
         cycle_start = time.perf_counter()
         reply = self.link.request(HELLO, 0, 0, 0.0, 0.0, 0.0)
         while not reply.stop:
             self.flat.load(self.link.state)
-            self.clock.begin(1.0, reply.slowdown)
+            self.emulator.set_slowdown(reply.slowdown)
+            self.timer.begin()
             x, y = self.train.__getitems__(reply.indices)
             x, y = x.to(self.device), y.to(self.device)
             loss = workload.criterion(self.model(x), y)
             self.model.zero_grad(set_to_none=True)
             loss.backward()
-            self.clock.local_grads_ready()  # sleeps here when emulating a slower machine
-            compute_s = self.clock.ready_s - self.clock.start_s
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the gradients exist: compute is over
+            self.emulator.before_sync()  # sleeps here when emulating a slower machine
+            compute_s = self.timer.elapsed_s()
             payload = self.flat.gradients_and_buffers()
             now = time.perf_counter()
             cycle_s, cycle_start = now - cycle_start, now

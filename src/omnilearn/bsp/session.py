@@ -44,9 +44,11 @@ from omnilearn.config import BalanceConfig, ConfigError, dump_toml
 from omnilearn.balance.controllers import Observation, make_controller
 from omnilearn.distributed import group
 from omnilearn.distributed.collect import average_buffers, gather_rows, same_everywhere
-from omnilearn.distributed.hooks import StepClock, weighted_allreduce_hook
+from omnilearn.distributed.hooks import HookState, weighted_allreduce_hook
+from omnilearn.emulation.delay import DelayEmulator
 from omnilearn.observe.rundir import prepare
 from omnilearn.runplan import RunPlan, plan_run
+from omnilearn.timing import StepTimer
 from omnilearn.data.loader import BalancedLoader, keep_batch
 from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
 from omnilearn.emulation.speeds import slowdown
@@ -89,7 +91,10 @@ class Session:
         bad = same_everywhere(ctx, zlib.crc32(dump_toml(cfg).encode()))  # before any other collective
         if bad:
             raise RuntimeError(f"ranks {bad} were started with a different config than rank 0; launch all ranks alike")
-        self.clock = StepClock(device=ctx.device)
+        self.timer = StepTimer(ctx.device)
+        self.emulator = DelayEmulator(self.timer)
+        self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced)
+        self._pending: list[list] = []  # this rank's steps whose times the timer has not resolved yet
         self.model: nn.Module | None = None
         self.loader: BalancedLoader | None = None
         self.run: RunPlan | None = None
@@ -142,7 +147,8 @@ class Session:
         if self.ctx.grouped:
             ids = [self.device] if self.device.type == "cuda" else None
             model = DDP(model, device_ids=ids, **{**_NO_BUFFER_BROADCAST, **ddp_kwargs})
-            model.register_comm_hook(self.clock, weighted_allreduce_hook)
+            self.hook.process_group = model.process_group
+            model.register_comm_hook(self.hook, weighted_allreduce_hook)
         self.model = model
         return model
 
@@ -192,8 +198,14 @@ class Session:
                 self.throttle.apply(speeds)
             if self.telemetry is not None:
                 self.telemetry.speeds(step, speeds)
-        slow = slowdown(speeds, self.rank) if self.cfg.emulator == "delay" else 1.0
-        self.clock.begin(self.schedule.at(step)[self.rank] / self.cfg.global_batch, slow)
+        self.emulator.set_slowdown(slowdown(speeds, self.rank) if self.cfg.emulator == "delay" else 1.0)
+        self.hook.weight = self.schedule.at(step)[self.rank] / self.cfg.global_batch
+        self.timer.begin()
+
+    def _local_grads_ready(self) -> None:
+        """The hook's ready callback: this step's local compute is done; a slower machine is emulated here."""
+        self.emulator.before_sync()
+        self.timer.mark_ready()
 
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None) -> None:
         """Report the end of this rank's step (after ``optimizer.step()``); ``loss`` and ``lr`` are logged."""
@@ -201,17 +213,22 @@ class Session:
         if step is None:
             raise RuntimeError("step() without a batch: iterate the loader from data_loader() and call step() "
                                "once per batch")
-        self.ctx.synchronize()
-        end = time.perf_counter()
-        step_s, wait_s = end - self.clock.start_s, self.clock.wait_s()
-        loss_value = float("nan") if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss)
-        self.window.append([step, self.schedule.at(step)[self.rank], step_s - wait_s, wait_s, step_s, loss_value,
-                            self.clock.delay_s, float("nan") if lr is None else lr])
+        self.timer.end()
+        loss_value = float("nan") if loss is None else loss.detach() if torch.is_tensor(loss) else float(loss)
+        self._pending.append([step, self.schedule.at(step)[self.rank], loss_value, float("nan") if lr is None else lr])
         self._open_step = None
-        if len(self.window) == self.cfg.control_interval or step + 1 == self.run.total_steps:
+        if len(self._pending) == self.cfg.control_interval or step + 1 == self.run.total_steps:
             self._end_interval(step)
 
+    def _resolve_window(self) -> None:
+        """Turn the pending steps into window rows (one device wait on CUDA, none per step)."""
+        for (step, batch, loss, lr), t in zip(self._pending, self.timer.collect()):
+            loss = float(loss) if torch.is_tensor(loss) else loss
+            self.window.append([step, batch, t.compute_s, t.wait_s, t.step_s, loss, t.delay_s, lr])
+        self._pending.clear()
+
     def _end_interval(self, step: int) -> None:
+        self._resolve_window()
         table = gather_rows(self.ctx, self.window, len(FIELDS))
         self.window.clear()
         keep = HISTORY_INTERVALS * self.cfg.control_interval
@@ -258,8 +275,8 @@ class Session:
     def finish(self) -> dict | None:
         """Flush the last interval, equalise buffers, write the summary (rank 0's dict; None elsewhere)."""
         try:
-            if self.window:
-                self._end_interval(int(self.window[-1][0]))
+            if self._pending:
+                self._end_interval(int(self._pending[-1][0]))
             self.sync_buffers()
             wall_s = 0.0 if self._start_s is None else time.perf_counter() - self._start_s
             if self.telemetry is None or not self.telemetry.rows:

@@ -1,0 +1,132 @@
+"""Step timing: how long this worker computed, and how long it waited for its peers.
+
+One :class:`StepTimer` per rank. The session calls ``begin()`` when the loader
+hands out a step's batch and ``end()`` when the user reports the step; the
+gradient hook's callbacks call ``mark_ready()`` when this worker's last
+gradient bucket is ready (its own compute is done) and ``mark_reduced()``
+when a bucket's all-reduce has finished (from a communication thread, hence
+the lock). Per step::
+
+    wait_s    = last reduction finished - local gradients ready
+    compute_s = step_s - wait_s            (forward, backward, optimizer, data)
+
+On CPU the clocks are the host's. On CUDA the marks are CUDA events on the
+compute stream and nothing synchronises the device per step: ``collect()``
+resolves every pending step at once, at the end of a control interval,
+after waiting for the last step's end event only.
+
+:meth:`native_compute_s` is the compute so far on the real hardware, which
+the delay emulator multiplies: for a single-threaded CPU worker the process
+CPU time (on a host shared by several workers wall time also counts waits
+for a free core, which a dedicated slow machine would not have), else wall
+time (on CUDA after synchronising the compute stream: only when emulating).
+
+Tests: ``python -m pytest -q tests/unit/test_timing.py`` (CUDA: ``tests/gpu``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    compute_s: float
+    wait_s: float
+    step_s: float
+    delay_s: float
+
+
+class StepTimer:
+    """Marks of the step in flight; finished steps wait in ``pending`` until :meth:`collect`."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._lock = threading.Lock()
+        self.pending: list[tuple] = []
+        self.start_s = self.start_cpu_s = self.ready_s = self.reduced_s = 0.0
+        self.delay_s = 0.0
+        self._events: dict[str, torch.cuda.Event] = {}
+        self.open = False
+
+    def _event(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def begin(self) -> None:
+        """The step's batch was handed out: its clock starts."""
+        with self._lock:
+            self.start_s, self.start_cpu_s = time.perf_counter(), time.process_time()
+            self.ready_s = self.reduced_s = self.delay_s = 0.0
+            self._events = {"start": self._event()} if self.cuda else {}
+            self.open = True
+
+    def native_compute_s(self) -> float:
+        """This step's compute so far on the real hardware (see the module docstring)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        elif torch.get_num_threads() == 1:
+            return time.process_time() - self.start_cpu_s
+        return time.perf_counter() - self.start_s
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start_s
+
+    def add_delay(self, delay_s: float) -> None:
+        """An emulator slept ``delay_s`` inside this step's compute."""
+        self.delay_s += delay_s
+
+    def mark_ready(self) -> None:
+        """This worker's local gradients are ready (after any emulated delay)."""
+        with self._lock:
+            self.ready_s = time.perf_counter()
+            if self.cuda:
+                self._events["ready"] = self._event()
+
+    def mark_reduced(self, last: bool = True) -> None:
+        """A bucket's all-reduce finished; buckets may finish out of order, so keep the latest.
+
+        On CUDA only the last bucket's callback records (it runs on the stream that waits for the reduction).
+        """
+        with self._lock:
+            if self.cuda:
+                if last:
+                    self._events["reduced"] = self._event()
+                return
+            self.reduced_s = max(self.reduced_s, time.perf_counter())
+
+    def end(self) -> None:
+        """The step is over (after the optimizer): queue its times for :meth:`collect`."""
+        with self._lock:
+            if not self.open:
+                raise RuntimeError("StepTimer.end() without begin()")
+            self.open = False
+            if self.cuda:
+                self._events["end"] = self._event()
+                self.pending.append(("cuda", dict(self._events), self.delay_s))
+            else:
+                step_s = time.perf_counter() - self.start_s
+                wait_s = max(0.0, self.reduced_s - self.ready_s) if self.ready_s else 0.0
+                self.pending.append(("cpu", StepTimes(step_s - wait_s, wait_s, step_s, self.delay_s)))
+
+    def collect(self) -> list[StepTimes]:
+        """Every finished step's times since the last call, oldest first (one device wait on CUDA)."""
+        with self._lock:
+            pending, self.pending = self.pending, []
+        if pending and pending[-1][0] == "cuda":
+            pending[-1][1]["end"].synchronize()
+        return [p[1] if p[0] == "cpu" else _cuda_times(p[1], p[2]) for p in pending]
+
+
+def _cuda_times(events: dict, delay_s: float) -> StepTimes:
+    step_s = events["start"].elapsed_time(events["end"]) / 1e3
+    wait_s = 0.0
+    if "ready" in events and "reduced" in events:
+        wait_s = max(0.0, events["ready"].elapsed_time(events["reduced"]) / 1e3)
+    return StepTimes(step_s - wait_s, wait_s, step_s, delay_s)

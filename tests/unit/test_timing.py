@@ -1,0 +1,104 @@
+"""StepTimer and DelayEmulator on the CPU: ``python -m pytest -q tests/unit/test_timing.py``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from omnilearn.emulation.delay import DelayEmulator
+from omnilearn.timing import StepTimer
+
+
+def busy(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_wait_is_the_time_between_ready_and_the_last_reduction():
+    timer = StepTimer()
+    timer.begin()
+    timer.mark_ready()
+    ready = timer.ready_s
+    timer.mark_reduced(False)
+    time.sleep(0.02)
+    timer.mark_reduced(True)
+    timer.end()
+    (t,) = timer.collect()
+    assert t.wait_s >= 0.02 and t.wait_s == pytest.approx(timer.reduced_s - ready)
+    assert t.compute_s == pytest.approx(t.step_s - t.wait_s)
+    assert timer.collect() == []  # collected once
+
+
+def test_reductions_finishing_out_of_order_on_other_threads_keep_the_latest():
+    timer = StepTimer()
+    timer.begin()
+    timer.mark_ready()
+    stamps = []
+
+    def reduce(delay_s: float) -> None:
+        time.sleep(delay_s)
+        timer.mark_reduced(False)
+        stamps.append(time.perf_counter())
+
+    threads = [threading.Thread(target=reduce, args=(d,)) for d in (0.03, 0.0, 0.01)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert timer.reduced_s <= max(stamps) and timer.reduced_s >= sorted(stamps)[-1] - 0.005
+
+
+def test_no_hook_means_no_wait():
+    timer = StepTimer()
+    timer.begin()
+    timer.end()
+    assert timer.collect()[0].wait_s == 0.0
+
+
+def test_end_without_begin_is_an_error():
+    with pytest.raises(RuntimeError, match="without begin"):
+        StepTimer().end()
+
+
+def test_delay_makes_the_step_slowdown_times_its_native_compute():
+    torch.set_num_threads(1)
+    timer = StepTimer()
+    emulator = DelayEmulator(timer, 3.0)
+    timer.begin()
+    busy(0.03)
+    slept = emulator.before_sync()
+    timer.mark_ready()
+    timer.end()
+    (t,) = timer.collect()
+    native = t.compute_s - slept
+    assert slept > 0.04 and t.delay_s == slept
+    assert t.compute_s == pytest.approx(3 * native, rel=0.25)
+
+
+def test_delay_applies_on_every_micro_step_without_double_counting():
+    torch.set_num_threads(1)
+    timer = StepTimer()
+    emulator = DelayEmulator(timer, 2.0)
+    timer.begin()
+    slept = []
+    for _ in range(2):  # two micro-batches: sleep after each, cumulative since the step began
+        busy(0.02)
+        slept.append(emulator.before_sync())
+    first = slept[0]
+    timer.mark_ready()
+    timer.end()
+    (t,) = timer.collect()
+    assert first > 0.01 and t.delay_s > first
+    assert t.compute_s == pytest.approx(2 * (t.compute_s - t.delay_s), rel=0.25)
+
+
+def test_native_speed_never_sleeps_and_bad_slowdowns_are_refused():
+    timer = StepTimer()
+    timer.begin()
+    assert DelayEmulator(timer).before_sync() == 0.0
+    with pytest.raises(ValueError, match="at least 1"):
+        DelayEmulator(timer).set_slowdown(0.5)
