@@ -13,6 +13,11 @@ random positive weights (hypothesis):
   integers that sum to ``B`` exactly and respect the bounds; the proportional
   split is within 1 of the exact share when no bound binds; the uniform split
   differs by at most 1 (extra units to the lowest ranks).
+- the vectorised core: ``water_fill`` equals the former pure-Python
+  water-filling loop (kept below as the reference) within 1e-9 * B and
+  ``round_shares`` equals the former rounding loop exactly, on any input;
+  with per-worker bounds and up to 5,000 workers (numpy-drawn) ``water_fill``
+  and ``split_array`` keep the sum, the bounds and the water-filling shape.
 
 Run: ``cd /work/main && python -m pytest -q tests/unit/test_allocation.py``
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
@@ -32,7 +38,10 @@ from omnilearn.balance.allocation import (
     clamp_reshare,
     largest_remainder,
     proportional_split,
+    round_shares,
+    split_array,
     uniform_split,
+    water_fill,
 )
 
 FAST = settings(max_examples=200, deadline=None)
@@ -304,3 +313,122 @@ def test_uniform_split_differs_by_at_most_one(b):
     assert split == sorted(split, reverse=True)  # the remainder goes to the lowest ranks
     q, r = divmod(b.global_batch, b.workers)
     assert split == [q + 1] * r + [q] * (b.workers - r)
+
+
+# --------------------------------------------------------------------------- vectorised core vs the former loops
+
+
+def reference_clamp_reshare(targets, bounds: Bounds) -> list[float]:
+    """The pure-Python water-filling loop ``clamp_reshare`` was before it was vectorised."""
+    lo, hi, total = float(bounds.min_batch), float(bounds.upper), float(bounds.global_batch)
+    shares = [max(float(t), 0.0) for t in targets]
+    fixed: dict[int, float] = {}
+    for _ in range(len(shares) + 1):
+        free = [i for i in range(len(shares)) if i not in fixed]
+        remaining = total - sum(fixed.values())
+        weight = sum(shares[i] for i in free)
+        for i in free:
+            shares[i] = remaining * shares[i] / weight if weight > 0 else remaining / len(free)
+        over = [i for i in free if shares[i] > hi]
+        under = [i for i in free if shares[i] < lo]
+        if not over and not under:
+            break
+        excess = sum(shares[i] - hi for i in over)
+        deficit = sum(lo - shares[i] for i in under)
+        for i in over if excess >= deficit else under:
+            fixed[i] = hi if excess >= deficit else lo
+    return [fixed.get(i, shares[i]) for i in range(len(shares))]
+
+
+def reference_largest_remainder(shares, bounds: Bounds) -> list[int]:
+    """The pure-Python rounding loop ``largest_remainder`` was before it was vectorised."""
+    floors = [min(max(math.floor(s + 1e-9), bounds.min_batch), bounds.upper) for s in shares]
+    missing = bounds.global_batch - sum(floors)
+    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - floors[i]), i))
+    step = 1 if missing > 0 else -1
+    while missing != 0:
+        for i in order if step > 0 else reversed(order):
+            if missing == 0:
+                break
+            nxt = floors[i] + step
+            if bounds.min_batch <= nxt <= bounds.upper:
+                floors[i] = nxt
+                missing -= step
+    return floors
+
+
+@FAST
+@given(bt=bounds_and_targets())
+def test_water_fill_equals_the_former_loop(bt):
+    b, targets = bt
+    ref = reference_clamp_reshare(targets, b)
+    assert clamp_reshare(targets, b) == pytest.approx(ref, rel=1e-9, abs=1e-9 * b.global_batch)
+
+
+@FAST
+@given(b=feasible_bounds(), data=st.data())
+def test_round_shares_equals_the_former_loop_on_any_shares(b, data):
+    shares = data.draw(
+        st.lists(st.floats(-10, 2.0 * b.upper, allow_nan=False), min_size=b.workers, max_size=b.workers)
+    )
+    assert largest_remainder(shares, b) == reference_largest_remainder(shares, b)
+    exact = reference_clamp_reshare(shares, b)
+    assert largest_remainder(exact, b) == reference_largest_remainder(exact, b)
+
+
+@st.composite
+def many_workers(draw):
+    """Up to 5,000 workers with per-worker bounds, drawn by numpy from a hypothesis seed."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n = int(rng.choice([1, 7, 300, 5000]))
+    lo = rng.integers(1, 20, n).astype(float)
+    hi = lo + rng.integers(0, 300, n)
+    total = float(rng.integers(int(lo.sum()), int(hi.sum()) + 1))
+    kind = draw(st.sampled_from(["lognormal", "zeros", "tiny"]))
+    w = rng.lognormal(0.0, 2.0, n)
+    if kind == "zeros":
+        w[rng.random(n) < 0.3] = 0.0
+    elif kind == "tiny":
+        w = w * 1e-9
+    return w, lo, hi, total
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=many_workers())
+def test_water_fill_with_per_worker_bounds_is_a_water_filling(case):
+    w, lo, hi, total = case
+    shares = water_fill(w, lo, hi, total)
+    assert abs(shares.sum() - total) <= 1e-9 * total
+    eps = 1e-9 * total
+    assert np.all(shares >= lo - eps) and np.all(shares <= hi + eps)
+    free = (shares > lo + eps) & (shares < hi - eps) & (w > 0)
+    if free.any():
+        lam = np.median(shares[free] / w[free])
+        assert np.allclose(shares[free] / w[free], lam, rtol=1e-6)
+        pinned = lo == hi  # on both bounds at once: nothing to check
+        at_lo, at_hi = (w > 0) & (shares <= lo + eps) & ~pinned, (shares >= hi - eps) & ~pinned
+        assert np.all(lam * w[at_lo] <= lo[at_lo] * (1 + 1e-6) + 2 * eps)
+        assert np.all(lam * w[at_hi] >= hi[at_hi] * (1 - 1e-6) - 2 * eps)
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=many_workers())
+def test_round_shares_with_per_worker_bounds_is_exact(case):
+    w, lo, hi, total = case
+    shares = water_fill(w, lo, hi, total)
+    split = round_shares(shares, lo.astype(int), hi.astype(int), int(total))
+    assert split.dtype.kind == "i" and int(split.sum()) == int(total)
+    assert np.all(split >= lo) and np.all(split <= hi)
+    assert np.all(np.abs(split - shares) < 1 + 1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([64, 1024, 4096]))
+def test_split_array_at_scale_matches_the_list_functions(seed, n):
+    rng = np.random.default_rng(seed)
+    lo = int(rng.integers(1, 8))
+    b = Bounds(int(rng.integers(n * lo, n * 100)), n, lo, int(rng.integers(100, 400)))
+    targets = rng.lognormal(3.0, 1.0, n)
+    split = split_array(targets, b)
+    assert int(split.sum()) == b.global_batch and split.min() >= b.min_batch and split.max() <= b.upper
+    assert split.tolist() == largest_remainder(clamp_reshare(targets.tolist(), b), b)

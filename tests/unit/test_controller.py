@@ -14,7 +14,15 @@ and small simulations of workers whose compute time is ``b_i / v_i``):
   and changes are rare when the window holds the steps since the last change;
 - robust timing: one 100x (or 0.01x) outlier in a balanced window moves nothing;
 - fewer than ``min_samples`` steps at the current batches -> hold;
-- ``static``/``uniform`` plans, ``make_controller`` and argument validation.
+- ``static``/``uniform`` plans, ``make_controller`` and argument validation;
+- the ControlLoop interface: ``propose(Estimates)`` of the proportional rule
+  is ``b_i * t_mean / t_i`` clamped, re-shared and rounded, with predicted
+  times ``t_i * b_i' / b_i``; fixed plans propose themselves; controllers'
+  ``state_dict`` round trips through JSON; ``Decision``'s new fields.
+
+Most of this file drives the legacy ``Observation``/``decide`` path, which the
+ControlLoop replaces (its deadband is on the largest single-worker change);
+those tests go when that path is deleted.
 
 Stochastic simulations draw their noise from a seed chosen by hypothesis with
 ``derandomize=True``, so the file is deterministic.
@@ -24,16 +32,20 @@ Run: ``cd /work/main && python -m pytest -q tests/unit/test_controller.py``
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import statistics
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from omnilearn.balance.allocation import Bounds, proportional_split, uniform_split
+from omnilearn.balance.allocation import Bounds, clamp_reshare, largest_remainder, proportional_split, uniform_split
 from omnilearn.balance.controllers import (
     CONTROLLERS,
     Decision,
+    Estimates,
     FixedController,
     Observation,
     ProportionalController,
@@ -410,3 +422,52 @@ def test_a_speed_change_after_a_long_hold_moves_batches_at_the_next_decision():
     new = [o + [(b, t)] * 20 for o, b, t in zip(old, batches, (200.0, 100.0, 100.0))]
     d = ctl.decide(Observation(1, batches, tuple(map(tuple, new)), recent=20))
     assert d.changed and d.new[0] < 300
+
+
+# ---------------------------------------------------------------- the ControlLoop interface
+
+
+@FAST
+@given(bb=bounds_and_batches(), data=st.data())
+def test_propose_is_the_proportional_rule_with_predicted_times(bb, data):
+    bounds, batches = bb
+    times = data.draw(st.lists(times_s, min_size=bounds.workers, max_size=bounds.workers))
+    est = Estimates(np.array(batches), np.array(times), np.zeros(bounds.workers))
+    p = ProportionalController(bounds).propose(est)
+    expected = largest_remainder(clamp_reshare(proportional_targets(batches, times), bounds), bounds)
+    assert p.batches.tolist() == expected
+    assert p.times_s == pytest.approx([t * n / b for t, n, b in zip(times, expected, batches)])
+    assert est.batches.tolist() == list(batches)  # the input is not modified
+
+
+@pytest.mark.parametrize("name", ["uniform", "static"])
+def test_fixed_plans_propose_themselves(name):
+    ctl = make_controller(name, Bounds(60, 3), [1.0, 2.0, 3.0])
+    plan = np.array(ctl.initial())
+    p = ctl.propose(Estimates(plan, np.array([1.0, 3.0, 9.0]), np.zeros(3)))
+    assert p.batches.tolist() == plan.tolist() and p.times_s.tolist() == [1.0, 3.0, 9.0]
+    assert name in p.reason and "fixed" in p.reason
+
+
+@pytest.mark.parametrize("name", ["omnilearn", "uniform", "static"])
+def test_controller_state_dict_round_trips_through_json(name):
+    bounds = Bounds(100, 3)
+    ctl = make_controller(name, bounds, [1.0, 2.0, 5.0])
+    if isinstance(ctl, ProportionalController):
+        ctl.start = [50, 30, 20]
+    state = json.loads(json.dumps(ctl.state_dict()))
+    fresh = make_controller(name, bounds, [1.0, 1.0, 1.0])
+    fresh.load_state_dict(state)
+    assert fresh.initial() == ctl.initial() and fresh.state_dict() == ctl.state_dict()
+    other = "uniform" if name != "uniform" else "omnilearn"
+    with pytest.raises(ValueError, match=repr(name)):
+        make_controller(other, bounds, [1.0, 1.0, 1.0]).load_state_dict(state)
+
+
+def test_decision_has_effective_step_and_predicted_times_and_is_frozen():
+    d = Decision(3, (1, 2), (1, 2), (0.5, 0.5), False, "hold")
+    assert d.effective_step is None and d.predicted_s is None
+    d = Decision(3, (1, 2), (2, 1), (0.5, 0.5), True, "go", effective_step=5, predicted_s=(1.0, 0.75))
+    assert d.effective_step == 5 and d.predicted_s == (1.0, 0.75)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.changed = False  # type: ignore[misc]
