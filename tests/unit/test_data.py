@@ -20,7 +20,8 @@ from omnilearn.experiments.datasets import core as data
 from omnilearn.experiments.datasets import images as imagedata
 
 from omnilearn.experiments.datasets import text as textdata
-from omnilearn.experiments.datasets.core import DataError, DataSpec
+from omnilearn.experiments.datasets.base import DataError
+from omnilearn.experiments.datasets.core import DataSpec
 
 # ---------------------------------------------------------------- generated datasets
 

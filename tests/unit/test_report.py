@@ -1,4 +1,4 @@
-"""Unit tests for the plots of runs and benches (``omnilearn.experiments.report.runs``, ``omnilearn.experiments.report.plots``).
+"""Unit tests for the plots of runs and benches (``omnilearn.experiments.report``: records, runs, plots, asp...).
 
 Synthetic ``metrics.jsonl`` / ``summary.json`` / ``bench.json`` files are built
 in ``tmp_path``; the rendered files must be real PNGs. The pure helpers
@@ -19,10 +19,10 @@ import sys
 import pytest
 
 from omnilearn.balance.efficiency import StepRow
-from omnilearn.experiments.report.runs import (
-    ReportError, load_run, render, render_bench, render_run, rolling_median, step_ideal_s, training_time_s,
-    weighted_loss, write_tensorboard,
+from omnilearn.experiments.report.records import (
+    ReportError, load_run, rolling_median, step_ideal_s, training_time_s, weighted_loss,
 )
+from omnilearn.experiments.report.runs import render, render_bench, render_run, write_tensorboard
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RUN_PNGS = ["batches.png", "compute_wait.png", "step_time.png", "loss_accuracy.png"]
@@ -204,7 +204,8 @@ def test_tensorboard_missing_package(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- ASP runs and benches
 
-from omnilearn.experiments.report.asp import is_asp_run, load_asp_run, push_rates, render_asp_bench  # noqa: E402
+from omnilearn.experiments.report.asp import render_asp_bench  # noqa: E402
+from omnilearn.experiments.report.aspruns import is_asp_run, load_asp_run, push_rates  # noqa: E402
 
 ASP_PNGS = ["batches.png", "cycle_compute.png", "update_rate.png", "loss_accuracy.png", "staleness.png"]
 

@@ -1,4 +1,4 @@
-"""Unit tests for the real-resource throttles (``omnilearn.emulation.throttle``).
+"""Unit tests for the real-resource throttles (``omnilearn.emulation.throttle``, ``.cgroups``, ``.shares``).
 
 Pure parts: the core allocation (property-tested: disjoint, >= 1 core each,
 all cores used, monotone in speed), the cgroup quota, the docker argv lists,
@@ -25,20 +25,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnilearn.emulation.throttle import (
-    THROTTLES,
-    AffinityThrottle,
-    CgroupThrottle,
-    ThrottleError,
-    allocate_cores,
-    cgroup_quota_us,
-    cleanup_run,
-    core_sets,
-    detect_layout,
-    docker_argvs,
-    make_throttle,
-    mount_fstype,
-)
+from omnilearn.emulation.cgroups import CgroupThrottle, cgroup_quota_us, cleanup_run, detect_layout, mount_fstype
+from omnilearn.emulation.shares import ThrottleError, allocate_cores, core_sets, docker_argvs
+from omnilearn.emulation.throttle import THROTTLES, AffinityThrottle, make_throttle
 
 HL8 = (6.0, 6.0, 4.0, 32.0)
 CORES = sorted(os.sched_getaffinity(0))

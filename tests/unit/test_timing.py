@@ -64,36 +64,35 @@ def test_end_without_begin_is_an_error():
         StepTimer().end()
 
 
-def test_delay_makes_the_step_slowdown_times_its_native_compute():
-    torch.set_num_threads(1)
+def test_delay_makes_the_step_at_least_slowdown_times_its_native_compute():
+    torch.set_num_threads(1)  # native compute = process CPU time (load on the host does not count)
     timer = StepTimer()
     emulator = DelayEmulator(timer, 3.0)
     timer.begin()
     busy(0.03)
     slept = emulator.before_sync()
+    native_s = time.process_time() - timer.start_cpu_s
+    assert timer.elapsed_s() >= 3.0 * native_s * 0.98  # slept up to the target (or was already past it)
+    assert slept <= max(0.0, 3.0 * native_s) and slept >= 0.0
     timer.mark_ready()
     timer.end()
-    (t,) = timer.collect()
-    native = t.compute_s - slept
-    assert slept > 0.04 and t.delay_s == slept
-    assert t.compute_s == pytest.approx(3 * native, rel=0.25)
+    assert timer.collect()[0].delay_s == slept
 
 
-def test_delay_applies_on_every_micro_step_without_double_counting():
+def test_delay_applies_on_every_micro_step_cumulatively():
     torch.set_num_threads(1)
     timer = StepTimer()
     emulator = DelayEmulator(timer, 2.0)
     timer.begin()
     slept = []
-    for _ in range(2):  # two micro-batches: sleep after each, cumulative since the step began
+    for _ in range(2):  # two micro-batches: after each, the step so far is >= 2x its native compute
         busy(0.02)
         slept.append(emulator.before_sync())
-    first = slept[0]
+        native_s = time.process_time() - timer.start_cpu_s
+        assert timer.elapsed_s() >= 2.0 * native_s * 0.98
     timer.mark_ready()
     timer.end()
-    (t,) = timer.collect()
-    assert first > 0.01 and t.delay_s > first
-    assert t.compute_s == pytest.approx(2 * (t.compute_s - t.delay_s), rel=0.25)
+    assert timer.collect()[0].delay_s == pytest.approx(sum(slept))
 
 
 def test_native_speed_never_sleeps_and_bad_slowdowns_are_refused():

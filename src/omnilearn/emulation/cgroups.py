@@ -6,7 +6,8 @@ Worker ``rank`` of run ``run_id`` gets ``r * cpus`` CPUs (v2 ``cpu.max``, v1
 home and removes the groups, :func:`cleanup_run` a whole run's. A group not on a
 cgroup fs (a fake tree in tests, per /proc/self/mountinfo) has its plain files
 deleted before ``rmdir``; a real one never needs it. Used through
-:func:`omnilearn.emulation.throttle.make_throttle`; tests: ``pytest tests/unit/test_throttle.py``.
+:func:`omnilearn.emulation.throttle.make_throttle`; refusals raise
+:class:`omnilearn.emulation.shares.ThrottleError`. Tests: ``pytest tests/unit/test_throttle.py``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from omnilearn.emulation.throttle import ThrottleError, relative_speed
+from omnilearn.emulation.shares import ThrottleError, relative_speed
 
 PERIOD_US = 100_000
 MIN_QUOTA_US = 1_000
-_FIX = "run as root with a writable cgroup fs or use --emulator delay"
+CGROUP_FIX = "run as root with a writable cgroup fs or use --emulator delay"
 
 
 def cgroup_quota_us(r: float, cpus: float, period_us: int = PERIOD_US) -> int:
@@ -80,7 +81,7 @@ def _write(path: str, text: str, missing_ok: bool = False) -> None:
         if not missing_ok:
             raise ThrottleError(f"cgroup backend: process {text} is gone; cannot write {path}") from None
     except OSError as e:
-        raise ThrottleError(f"cgroup backend: cannot write {path}: {e.strerror}; {_FIX}") from None
+        raise ThrottleError(f"cgroup backend: cannot write {path}: {e.strerror}; {CGROUP_FIX}") from None
 
 
 def _evacuate(group: str, dest: str) -> None:
@@ -101,8 +102,9 @@ def _remove_group(path: str) -> bool:
     except OSError as e:
         if e.errno == errno.EBUSY:
             return False
-        if e.errno != errno.ENOTEMPTY or mount_fstype(_read("/proc/self/mountinfo"), os.path.realpath(path)).startswith("cgroup"):
-            raise ThrottleError(f"cgroup backend: cannot remove {path}: {e.strerror}; {_FIX}") from None
+        on_cgroup_fs = mount_fstype(_read("/proc/self/mountinfo"), os.path.realpath(path)).startswith("cgroup")
+        if e.errno != errno.ENOTEMPTY or on_cgroup_fs:
+            raise ThrottleError(f"cgroup backend: cannot remove {path}: {e.strerror}; {CGROUP_FIX}") from None
     for entry in os.scandir(path):  # not a cgroup fs: a fake tree holding plain files
         if entry.is_file():
             os.unlink(entry.path)
@@ -121,7 +123,7 @@ def _make_dirs(layout: CgroupLayout, group: str) -> None:
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
-            raise ThrottleError(f"cgroup backend: cannot create {parent}: {e.strerror}; {_FIX}") from None
+            raise ThrottleError(f"cgroup backend: cannot create {parent}: {e.strerror}; {CGROUP_FIX}") from None
 
 
 def _home_group(layout: CgroupLayout, pid: int) -> str:
@@ -176,7 +178,7 @@ class CgroupThrottle:
 
 def cleanup_run(run_id: str) -> list[str]:
     """Remove every group of run ``run_id`` (leaf first, processes moved to the root); return them."""
-    _check_run_id(run_id)
+    check_run_id(run_id)
     try:
         layout = detect_layout(cgroup_root())
     except ThrottleError:
@@ -192,6 +194,7 @@ def cleanup_run(run_id: str) -> list[str]:
     return removed
 
 
-def _check_run_id(run_id: str) -> None:
+def check_run_id(run_id: str) -> None:
+    """Refuse a run id that could not name one cgroup directory."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id) or run_id in (".", ".."):
         raise ThrottleError(f"run id {run_id!r} must be letters, digits, '_', '.', '-' (it names a cgroup)")

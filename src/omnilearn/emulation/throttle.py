@@ -9,7 +9,11 @@ on every change, and ``close()`` at the end (idempotent). Backends:
 - ``affinity``: all threads pinned to a disjoint share of the usable cores.
 - ``docker``: local rank 0 runs ``docker update --cpus <r_i * cpus> <container_i>``.
 
-Refusals raise :class:`ThrottleError` naming the fix. Usage and tests::
+The pure share arithmetic (``allocate_cores``, ``core_sets``,
+``docker_argvs``) and :class:`ThrottleError` live in
+:mod:`omnilearn.emulation.shares`; this module re-exports the names its
+callers use (``ThrottleError``, ``cleanup_run``). Refusals raise
+:class:`ThrottleError` naming the fix. Usage and tests::
 
     t = make_throttle("cgroup", rank, local_rank, local_world_size, run_id)
     t.apply((6, 6, 4, 32)); ...; t.close()
@@ -22,77 +26,20 @@ import math
 import os
 import shutil
 import subprocess
-from fractions import Fraction
 from typing import Protocol, Sequence
 
+from omnilearn.emulation.cgroups import (CGROUP_FIX, CgroupThrottle, cgroup_root, check_run_id, cleanup_run,
+                                         detect_layout)
+from omnilearn.emulation.shares import ThrottleError, allocate_cores, core_sets, docker_argvs
+
 THROTTLES = ("cgroup", "affinity", "docker")
-
-
-class ThrottleError(RuntimeError):
-    """The OS refused to throttle a worker; the message names the fix."""
+__all__ = ["THROTTLES", "AffinityThrottle", "DockerThrottle", "Throttle", "ThrottleError", "cleanup_run", "for_run",
+           "make_throttle", "preflight", "run_id"]
 
 
 class Throttle(Protocol):
     def apply(self, speeds: Sequence[float]) -> None: ...  # called on every rank when the speeds change
     def close(self) -> None: ...  # undo; idempotent; safe to call twice
-
-
-# ---------------------------------------------------------------- pure logic
-def relative_speed(speeds: Sequence[float], i: int) -> float:
-    """``speeds[i] / max(speeds)`` in (0, 1]; rejects a short or non-positive list."""
-    if not 0 <= i < len(speeds) or min(speeds) <= 0:
-        raise ThrottleError(f"speeds {tuple(speeds)} need a positive speed for worker {i}")
-    return speeds[i] / max(speeds)
-
-
-def allocate_cores(speeds: Sequence[float], n_cores: int) -> list[int]:
-    """Core counts in proportion to speeds, each >= 1, summing to ``n_cores``.
-
-    Workers whose share is below one core get exactly one and the rest is
-    re-shared; then largest remainder (ties: faster first). Exact arithmetic.
-    """
-    n = len(speeds)
-    if n_cores < n:
-        raise ThrottleError(
-            f"affinity backend needs at least {n} cores for {n} workers; "
-            f"this machine has {n_cores}; use --emulator delay or cgroup"
-        )
-    s = [Fraction(v) for v in speeds]
-    fixed: set[int] = set()
-    while True:
-        free = [i for i in range(n) if i not in fixed]
-        budget, total = n_cores - len(fixed), sum(s[i] for i in free)
-        quota = {i: budget * s[i] / total for i in free}
-        low = {i for i in free if quota[i] < 1}
-        if not low:
-            break
-        fixed |= low
-    counts = [1 if i in fixed else math.floor(quota[i]) for i in range(n)]
-    order = sorted(free, key=lambda i: (-(quota[i] - counts[i]), -s[i], i))
-    for i in order[: budget - sum(counts[j] for j in free)]:
-        counts[i] += 1
-    return counts
-
-
-def core_sets(speeds: Sequence[float], cores: Sequence[int]) -> list[tuple[int, ...]]:
-    """Disjoint consecutive slices of the sorted ``cores``, one per worker."""
-    ordered, out, at = sorted(cores), [], 0
-    for c in allocate_cores(speeds, len(ordered)):
-        out.append(tuple(ordered[at : at + c]))
-        at += c
-    return out
-
-
-def docker_argvs(speeds: Sequence[float], containers: Sequence[str], cpus: float) -> list[list[str]]:
-    """One ``docker update --cpus`` argv per container (3 decimals)."""
-    if len(containers) != len(speeds):
-        raise ThrottleError(
-            f"docker backend: {len(containers)} containers for {len(speeds)} workers; give one container per worker"
-        )
-    return [
-        ["docker", "update", "--cpus", f"{relative_speed(speeds, i) * cpus:.3f}", name]
-        for i, name in enumerate(containers)
-    ]
 
 
 # ---------------------------------------------------------- affinity, docker
@@ -177,19 +124,6 @@ class DockerThrottle:
         """Nothing to undo here: the limits live on the containers, which their launcher owns."""
 
 
-_CGROUP_NAMES = ("CgroupLayout", "CgroupThrottle", "cgroup_quota_us", "cgroup_root", "cleanup_run", "detect_layout",
-                 "mount_fstype", "PERIOD_US", "MIN_QUOTA_US")
-
-
-def __getattr__(name: str):
-    """The cgroup backend lives in :mod:`omnilearn.emulation.cgroups`; its names are reachable from here too."""
-    if name in _CGROUP_NAMES:
-        from omnilearn.emulation import cgroups
-
-        return getattr(cgroups, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def preflight(name: str, local_world_size: int) -> None:
     """Refuse up front what the OS will refuse anyway (before any run directory is written)."""
     if name == "affinity":
@@ -199,11 +133,9 @@ def preflight(name: str, local_world_size: int) -> None:
     elif name == "docker" and shutil.which("docker") is None:
         raise ThrottleError("docker backend: no `docker` command on PATH; install the Docker CLI or use --emulator delay")
     elif name == "cgroup":
-        from omnilearn.emulation.cgroups import _FIX, cgroup_root, detect_layout
-
         layout = detect_layout(cgroup_root())
         if not os.access(layout.path, os.W_OK):
-            raise ThrottleError(f"cgroup backend: cannot write {layout.path}; {_FIX}")
+            raise ThrottleError(f"cgroup backend: cannot write {layout.path}; {CGROUP_FIX}")
 
 
 def make_throttle(name: str, rank: int, local_rank: int, local_world_size: int, run_id: str,
@@ -217,9 +149,7 @@ def make_throttle(name: str, rank: int, local_rank: int, local_world_size: int, 
         raise ThrottleError(f"cpus={cpus} must be a positive number")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if name == "cgroup":
-        from omnilearn.emulation.cgroups import CgroupThrottle, _check_run_id, cgroup_root
-
-        _check_run_id(run_id)
+        check_run_id(run_id)
         share = cpus or usable / local_world_size
         return CgroupThrottle(os.getpid(), rank, run_id, share, cgroup_root())
     if name == "affinity":

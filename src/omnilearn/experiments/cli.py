@@ -16,6 +16,7 @@ ends with one ``omnilearn: error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,8 @@ from omnilearn.distributed.group import device_problem, launched_by_torchrun, to
 from omnilearn.observe.rundir import RunDirError, prepare
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
+HARNESS_MODULES = ("matplotlib", "mnist1d", "PIL")  # what the [experiments] extra installs
+NEEDS_EXTRA = "the experiment harness needs the [experiments] extra: pip install 'omnilearn-hetero[experiments]'"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -207,7 +210,8 @@ def _torchrun_workers(values: dict, file_values: dict) -> int:
 
 
 def _plots(path: Path) -> None:
-    from omnilearn.experiments.report.runs import ReportError, render
+    from omnilearn.experiments.report.records import ReportError
+    from omnilearn.experiments.report.runs import render
 
     try:
         files = render(path)
@@ -294,7 +298,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    from omnilearn.experiments.report.runs import ReportError, render, write_tensorboard
+    from omnilearn.experiments.report.records import ReportError
+    from omnilearn.experiments.report.runs import render, write_tensorboard
 
     path = Path(args.path)
     try:
@@ -312,12 +317,25 @@ def report(args: argparse.Namespace) -> int:
 COMMANDS = {"train": train, "bench": bench, "report": report}
 
 
+def missing_harness_modules() -> list[str]:
+    """The harness's own dependencies that are not installed (looked up, not imported)."""
+    return [m for m in HARNESS_MODULES if importlib.util.find_spec(m) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from omnilearn.experiments.launch import WorkerFailed
 
+    if missing_harness_modules():
+        print(f"omnilearn: error: {NEEDS_EXTRA}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args = parser().parse_args(argv)
         return COMMANDS[args.command](args)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in HARNESS_MODULES:
+            raise
+        print(f"omnilearn: error: {NEEDS_EXTRA}", file=sys.stderr)
+        return EXIT_USAGE
     except (ConfigError, RunDirError) as e:
         print(f"omnilearn: error: {e}", file=sys.stderr)
         return EXIT_USAGE

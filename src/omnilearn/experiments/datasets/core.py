@@ -18,7 +18,12 @@ signals. ``synthetic``: Gaussian inputs of any ``input_shape`` labelled by a
 fixed random linear teacher, for throughput runs. ``cifar10``/``cifar100``
 and ``imagefolder``: see :mod:`omnilearn.experiments.datasets.images`. ``text``: byte-level
 next-byte prediction, see :mod:`omnilearn.experiments.datasets.text`. Bad or missing data
-raises :class:`DataError` with one line naming the path and the fix.
+raises :class:`DataError` with one line naming the path and the fix. The shared
+types (``DataError``, ``TensorData``, ``Splits``) live in
+:mod:`omnilearn.experiments.datasets.base`, which the image and text modules
+import; this module imports them and dispatches (no import cycle).
+
+Run its tests:  python -m pytest -q tests/unit/test_data.py
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from omnilearn.data.loader import keep_batch  # noqa: F401  (re-exported: datasets serve whole batches)
+from omnilearn.experiments.datasets import images as imagedata
+from omnilearn.experiments.datasets import text as textdata
+from omnilearn.experiments.datasets.base import DataError, Splits, TensorData
 
 DATASETS = ("mnist1d", "synthetic", "cifar10", "cifar100", "imagefolder", "text")
 GENERATED = ("mnist1d", "synthetic")  # datasets that take no --data-dir
@@ -44,10 +51,6 @@ SYNTH_MIN_TRAIN = 512
 SYNTH_MAX_ELEMENTS = 48_000_000  # 192 MB of float32 inputs, above which fewer samples are made
 SYNTH_HARD_LIMIT_BYTES = 2**30  # refuse shapes whose minimum sample count needs more than this
 SYNTH_MAX_TEACHER = 2**24  # teacher weights above this many elements are made low-rank
-
-
-class DataError(ValueError):
-    """A missing or malformed dataset; one line naming what was expected and the fix."""
 
 
 @dataclass(frozen=True)
@@ -62,38 +65,6 @@ class DataSpec:
     seq_len: int = 64  # text: tokens per sample
     augment: bool = True  # image datasets: random crop + horizontal flip on the train split only
     seed: int = 0  # split/generation seed where one is needed
-
-
-class TensorData(Dataset):
-    """Map-style dataset over in-memory tensors that fetches batches vectorised."""
-
-    returns_batches = True  # __getitems__ returns a collated (x, y): use data.keep_batch as collate_fn
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        if len(x) != len(y):
-            raise ValueError(f"{len(x)} inputs but {len(y)} labels")
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.as_tensor(indices, dtype=torch.long)
-        return self.x[idx], self.y[idx]
-
-
-@dataclass(frozen=True)
-class Splits:
-    """Train and test datasets plus what a model needs to know; ``source`` says where the data came from."""
-
-    train: Dataset
-    test: Dataset
-    num_classes: int
-    input_shape: tuple[int, ...]
-    source: str = ""
 
 
 def cache_dir() -> Path:
@@ -194,11 +165,7 @@ def load(spec: DataSpec | str) -> Splits:
         shape = (40,) if spec.input_shape is None else tuple(spec.input_shape)
         return synthetic(shape, 10 if spec.num_classes is None else spec.num_classes, spec.seed)
     if spec.name == "text":
-        from omnilearn.experiments.datasets import text as textdata
-
         return textdata.load_text(spec.data_dir, spec.seq_len)
-    from omnilearn.experiments.datasets import images as imagedata
-
     if spec.name == "imagefolder":
         return imagedata.load_imagefolder(spec.data_dir, spec.image_size, spec.augment, spec.seed)
     return imagedata.load_cifar(spec.name, spec.data_dir, spec.augment, spec.seed)

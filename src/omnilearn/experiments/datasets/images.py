@@ -20,6 +20,8 @@ split is a partition. A class is any folder holding image files directly (name =
 relative to the split root), so nested Places365-style ``a/airfield`` trees work. Hidden
 entries and non-image files (by extension) are ignored. Note: pickles can run code; only
 load CIFAR files from the official archive.
+
+Tests:  python -m pytest -q tests/unit/test_data.py
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from omnilearn.experiments.datasets.core import DataError, Splits
+from omnilearn.experiments.datasets.base import DataError, Splits
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp"})

@@ -15,6 +15,8 @@ files until 2 MiB, cut to exactly 2 MiB; the files used are listed in ``splits.t
 The first 90% of bytes train and the last 10% test (contiguous, so no overlap). Sample i of a
 split is the window of seq_len + 1 bytes starting at byte i * seq_len: x is its first seq_len
 bytes, y the last seq_len (x shifted by one), so consecutive windows share one byte.
+
+Tests:  python -m pytest -q tests/unit/test_data.py
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from omnilearn.experiments.datasets.core import DataError, Splits
+from omnilearn.experiments.datasets.base import DataError, Splits
 
 TEXT_EXTS = frozenset({".txt", ".md", ".py"})
 DEFAULT_CORPUS_BYTES = 2 * 2**20

@@ -4,20 +4,20 @@ Like :mod:`omnilearn.experiments.report.plots` (whose style, colours and event m
 ready-made series in, one figure saved (Agg, dpi 110) and closed, its path out.
 
     omnilearn report runs/asp-demo
+
+Tests:  python -m pytest -q tests/unit/test_report.py
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from omnilearn.experiments.report.plots import ARM_COLORS, SIZE, WINDOW, _marker, _save, mark_events, plt
-
-if TYPE_CHECKING:
-    from omnilearn.experiments.report.asp import AspRunData
+from omnilearn.experiments.report.aspruns import AspRunData, Series
+from omnilearn.experiments.report.plots import ARM_COLORS, SIZE, mark_events, plt, point_marker, save_figure
+from omnilearn.experiments.report.records import WINDOW
 
 COLORS = {**ARM_COLORS, "bsp": "tab:green"}
-Series = dict[int, tuple[list[float], list[float]]]  # rank -> (training time s, values)
 
 
 def _legend(ax) -> None:
@@ -30,7 +30,7 @@ def worker_series(path: Path, data: AspRunData, series: Series, ylabel: str, tit
     for rank, (xs, ys) in sorted(series.items()):
         draw = ax.step if step else ax.plot
         kwargs = {"where": "post"} if step else {}
-        draw(xs, ys, color=f"C{rank % 10}", marker=_marker(len(xs)), linewidth=1.6, label=f"worker {rank}", **kwargs)
+        draw(xs, ys, color=f"C{rank % 10}", marker=point_marker(len(xs)), linewidth=1.6, label=f"worker {rank}", **kwargs)
     mark_events(ax, data)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel(ylabel)
@@ -38,14 +38,14 @@ def worker_series(path: Path, data: AspRunData, series: Series, ylabel: str, tit
     ax.set_title(title)
     _legend(ax)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def cycle_compute(path: Path, data: AspRunData, cycle_ms: Series, compute_ms: Series) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for ax, series, what in ((top, cycle_ms, "cycle: pull + compute + push"), (bottom, compute_ms, "compute")):
         for rank, (xs, ys) in sorted(series.items()):
-            ax.plot(xs, ys, color=f"C{rank % 10}", marker=_marker(len(xs)), linewidth=1.6, label=f"worker {rank}")
+            ax.plot(xs, ys, color=f"C{rank % 10}", marker=point_marker(len(xs)), linewidth=1.6, label=f"worker {rank}")
         mark_events(ax, data, annotate=ax is top)
         ax.set_ylabel(f"{what} (ms)", fontsize=9)
         ax.set_ylim(bottom=0)
@@ -53,13 +53,13 @@ def cycle_compute(path: Path, data: AspRunData, cycle_ms: Series, compute_ms: Se
     bottom.set_xlabel("training time (s)")
     top.set_title(f"Per-worker cycle and compute time per push (rolling median of {WINDOW} pushes)")
     _legend(top)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def update_rate(path: Path, data: AspRunData, centres: Sequence[float], rates: dict[int, list[float]]) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
     for rank, ys in sorted(rates.items()):
-        ax.plot(centres, ys, color=f"C{rank % 10}", marker=_marker(len(centres)), linewidth=1.6, label=f"worker {rank}")
+        ax.plot(centres, ys, color=f"C{rank % 10}", marker=point_marker(len(centres)), linewidth=1.6, label=f"worker {rank}")
     mark_events(ax, data)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("updates pushed per second")
@@ -67,7 +67,7 @@ def update_rate(path: Path, data: AspRunData, centres: Sequence[float], rates: d
     ax.set_title("Per-worker push rate (balanced: equal rates, so equal staleness)")
     _legend(ax)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _hist_bars(ax, hist: Sequence[Sequence[int]], labels: Sequence[str]) -> None:
@@ -88,7 +88,7 @@ def staleness(path: Path, hist: Sequence[Sequence[int]], labels: Sequence[str], 
     _hist_bars(ax, hist, labels)
     ax.set_title(title)
     _legend(ax)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def bench_accuracy(path: Path, settings: list[str], arms: list[str], values: dict, ranges: dict,
@@ -113,7 +113,7 @@ def bench_accuracy(path: Path, settings: list[str], arms: list[str], values: dic
     ax.set_title(f"Test accuracy after {budget_s:g} s of training (mean, whiskers: min–max over repeats)")
     ax.grid(axis="y", alpha=0.3)
     _legend(ax)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def accuracy_curves(path: Path, setting: str, curves: dict[str, list[list[list[float]]]], budget_s: float) -> Path:
@@ -132,7 +132,7 @@ def accuracy_curves(path: Path, setting: str, curves: dict[str, list[list[list[f
     ax.set_title(f"{setting}: test accuracy over training time per arm (one line per repeat)")
     ax.grid(alpha=0.3)
     _legend(ax)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def staleness_panels(path: Path, setting: str, hists: dict[str, list[list[int]]]) -> Path:
@@ -144,4 +144,4 @@ def staleness_panels(path: Path, setting: str, hists: dict[str, list[list[int]]]
         ax.set_title(f"{setting} {arm}", fontsize=10)
         ax.legend(fontsize=8)
     fig.suptitle("Staleness per worker and arm (fraction of each worker's pushes)")
-    return _save(fig, path)
+    return save_figure(fig, path)

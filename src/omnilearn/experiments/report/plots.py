@@ -5,12 +5,14 @@ and returns the path (ASP runs and benches: :mod:`omnilearn.experiments.report.a
 it through ``omnilearn.experiments.report.runs.render``:
 
     omnilearn report runs/demo
+
+Tests:  python -m pytest -q tests/unit/test_report.py
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import matplotlib
 
@@ -20,23 +22,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
-if TYPE_CHECKING:
-    from omnilearn.experiments.report.runs import RunData
+from omnilearn.experiments.report.records import WINDOW, RunData  # noqa: E402
 
 DPI = 110
 SIZE = (9, 5)
-WINDOW = 5
 ARM_COLORS = {"uniform": "tab:gray", "static": "tab:orange", "omnilearn": "tab:blue", "ddp": "tab:green"}
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, save (dpi 110) and close ``fig``; return ``path``."""
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
 
-def _marker(n: int) -> str | None:
+def point_marker(n: int) -> str | None:
     """Points for series too short to show as a line."""
     return "o" if n < 3 else None
 
@@ -60,7 +61,7 @@ def mark_events(ax, data: RunData, annotate: bool = True) -> None:
 
 def batches(path: Path, data: RunData) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
-    m = _marker(len(data.steps))
+    m = point_marker(len(data.steps))
     for rank in data.ranks:
         ax.step(data.steps, data.per_rank["batch"][rank], where="post", marker=m, linewidth=1.8,
                 label=f"rank {rank}")
@@ -72,12 +73,12 @@ def batches(path: Path, data: RunData) -> Path:
     ax.set_title("Per-worker batch size (dashed: speed change, dotted: controller change applied)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def compute_wait(path: Path, data: RunData, smooth: Callable[[Sequence[float]], list[float]]) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    m = _marker(len(data.steps))
+    m = point_marker(len(data.steps))
     for rank in data.ranks:
         color = f"C{rank % 10}"
         for ax, field in ((top, "compute_s"), (bottom, "wait_s")):
@@ -91,13 +92,13 @@ def compute_wait(path: Path, data: RunData, smooth: Callable[[Sequence[float]], 
     bottom.set_xlabel("step")
     top.set_title(f"Per-worker compute and wait time per step (rolling median of {WINDOW} steps)")
     top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def step_time(path: Path, data: RunData, measured_ms: Sequence[float], ideal_ms: Sequence[float],
               efficiency: float | None) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
-    m = _marker(len(data.steps))
+    m = point_marker(len(data.steps))
     ax.plot(data.steps, measured_ms, color="tab:blue", marker=m, linewidth=1.8, label="measured (mean of workers)")
     ax.plot(data.steps, ideal_ms, color="tab:green", marker=m, linewidth=1.8, linestyle="-.",
             label="ideal T* = B/Σv + min wait")
@@ -111,14 +112,14 @@ def step_time(path: Path, data: RunData, measured_ms: Sequence[float], ideal_ms:
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def loss_accuracy(path: Path, time_s: Sequence[float], loss: Sequence[float], eval_s: Sequence[float],
                   accuracy: Sequence[float | None], xlabel: str = "training time (s, sum of step times)",
                   loss_label: str = "train loss (batch-weighted over workers)") -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
-    line = ax.plot(time_s, loss, color="tab:blue", marker=_marker(len(time_s)), linewidth=1.5, label=loss_label)
+    line = ax.plot(time_s, loss, color="tab:blue", marker=point_marker(len(time_s)), linewidth=1.5, label=loss_label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("train loss (cross-entropy)")
     ax.grid(alpha=0.3)
@@ -132,7 +133,7 @@ def loss_accuracy(path: Path, time_s: Sequence[float], loss: Sequence[float], ev
         acc.set_ylim(0, 100)
     ax.set_title("Training loss and test accuracy over training time")
     ax.legend(handles=handles, loc="center right", fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _grouped(ax, settings: list[str], arms: list[str], values: dict, fmt: str) -> float:
@@ -169,7 +170,7 @@ def speedup(path: Path, settings: list[str], arms: list[str], values: dict, idea
     ax.set_ylabel("speed-up over uniform batches (×)")
     ax.set_title("Speed-up over uniform batches per setting (uniform = 1.0)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def efficiency(path: Path, settings: list[str], arms: list[str], values: dict) -> Path:
@@ -180,4 +181,4 @@ def efficiency(path: Path, settings: list[str], arms: list[str], values: dict) -
     ax.set_ylabel("balance efficiency η = T* / T measured")
     ax.set_title("Balance efficiency per setting and arm")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
