@@ -1,1 +1,15 @@
-"""asp."""
+"""Asynchronous training: a parameter server and n workers (torch.distributed point-to-point).
+
+- :mod:`omnilearn.asp.rules`: pure rules (data dealing, push rate, staleness, liveness, training clock).
+- :mod:`omnilearn.asp.settings`: :class:`~omnilearn.asp.settings.ASPSettings`, the server's own knobs.
+- :mod:`omnilearn.asp.flat`: a model as one float32 vector (the wire format).
+- :mod:`omnilearn.asp.control`: cycle-time windows into the shared ControlLoop.
+- :mod:`omnilearn.asp.server`: :class:`~omnilearn.asp.server.ParameterServer` (rank 0).
+- :mod:`omnilearn.asp.worker`: :class:`~omnilearn.asp.worker.ASPWorker` (ranks 1..n).
+
+The wire protocol is :mod:`omnilearn.distributed.ps`; the record of a run,
+:mod:`omnilearn.observe.asplog`. The experiment harness builds the workload
+(:mod:`omnilearn.experiments.asp_train`); nothing here imports it.
+
+Run the tests: ``python -m pytest -q tests/unit/test_aspmath.py tests/dist/test_asp_server.py``
+"""

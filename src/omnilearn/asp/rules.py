@@ -1,4 +1,4 @@
-"""Asynchronous (ASP) training maths: data dealing, learning-rate scaling, staleness. Pure Python.
+"""Asynchronous (ASP) training rules: data dealing, learning-rate scaling, staleness, liveness. Pure Python.
 
 The parameter server hands out data and applies gradients one push at a
 time. :class:`IndexDealer` deals the next ``b_i`` indices of the epoch's
@@ -8,6 +8,11 @@ short). :func:`push_lr` is the rate a push is applied with: linear scaling
 ``lr * b / b_ref`` (``b_ref = B / n``, so a balanced push moves the model as
 much as a uniform one) and, optionally, divided by the push's staleness
 (Zhang et al. 2016). :class:`Staleness` keeps per-worker statistics.
+:class:`Liveness` knows when each worker was last heard from, so the server
+can name one silent for longer than the timeout; :class:`TrainClock` is the
+server's training time: wall time minus the pauses (evaluation).
+
+Run its tests: ``python -m pytest -q tests/unit/test_aspmath.py``
 """
 
 from __future__ import annotations
@@ -86,3 +91,60 @@ class Staleness:
 
     def mean(self, worker: int) -> float:
         return self.totals[worker] / self.counts[worker] if self.counts[worker] else 0.0
+
+
+@dataclass
+class Liveness:
+    """When each worker was last heard from (server clock, seconds); which one is silent past ``timeout_s``."""
+
+    workers: int
+    timeout_s: float
+    last_heard_s: list[float] = field(default_factory=list)
+
+    def start(self, now_s: float) -> None:
+        self.last_heard_s = [now_s] * self.workers
+
+    def heard(self, worker: int, now_s: float) -> None:
+        self.last_heard_s[worker] = now_s
+
+    def quietest(self, now_s: float, done: set[int]) -> tuple[int, float] | None:
+        """(worker, seconds silent) of the longest-silent worker not in ``done``; None when all are done."""
+        live = [(self.last_heard_s[w], w) for w in range(self.workers) if w not in done]
+        if not live:
+            return None
+        heard_s, worker = min(live)
+        return worker, now_s - heard_s
+
+    def silent(self, now_s: float, done: set[int]) -> tuple[int, float] | None:
+        """The quietest worker when it has been silent for longer than ``timeout_s``, else None."""
+        found = self.quietest(now_s, done)
+        return found if found is not None and found[1] > self.timeout_s else None
+
+
+@dataclass
+class TrainClock:
+    """Training time on the server's clock: time since ``start`` minus the time spent paused (evaluating)."""
+
+    start_s: float = 0.0
+    paused_s: float = 0.0
+    pause_began_s: float | None = None
+
+    def start(self, now_s: float) -> None:
+        self.start_s, self.paused_s, self.pause_began_s = now_s, 0.0, None
+
+    def pause(self, now_s: float) -> None:
+        if self.pause_began_s is None:
+            self.pause_began_s = now_s
+
+    def resume(self, now_s: float) -> None:
+        if self.pause_began_s is not None:
+            self.paused_s += now_s - self.pause_began_s
+            self.pause_began_s = None
+
+    def wall_s(self, now_s: float) -> float:
+        return now_s - self.start_s
+
+    def train_s(self, now_s: float) -> float:
+        """Wall time minus pauses; while paused, frozen at the pause's start."""
+        now_s = now_s if self.pause_began_s is None else self.pause_began_s
+        return now_s - self.start_s - self.paused_s

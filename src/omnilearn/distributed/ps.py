@@ -6,13 +6,23 @@ One exchange per worker cycle, always in this order:
     worker -> server  REQUEST  float64[6]: kind, batch, pulled_version, cycle_s, compute_s, loss
     worker -> server  PAYLOAD  float32[P+Q]: gradients of the P parameter values, then the Q
                                floating buffer values (BatchNorm statistics)   (kind PUSH only)
-    server -> worker  REPLY    float64[5 + max_batch]: stop, version, count, epoch, slowdown, indices...
-    server -> worker  STATE    float32[P+Q]: parameters and buffers at ``version``  (unless stop)
+    server -> worker  REPLY    float64[5 + max_batch]: status, version, count, epoch, slowdown, indices...
+    server -> worker  STATE    float32[P+Q]: parameters and buffers at ``version``  (status GO only)
+
+Request kinds: ``HELLO`` (a worker's first), ``PUSH`` (a gradient),
+``POLL`` (again, after a ``HOLD``). Reply status: ``GO`` (weights and
+indices follow), ``STOP`` (the run is over), ``HOLD`` (the server is busy,
+evaluating: nothing follows; poll again after ``POLL_S``). HOLD exists because
+gloo's sends wait for the matching receive and a timed-out wait closes the
+connection: a server that stopped receiving for longer than the timeout
+would kill its workers; one that holds them keeps every wait short.
 
 The server receives requests from any source (``irecv`` with no ``src``)
 and handles one at a time, so the state it sends is a consistent snapshot:
 it never changes while being sent. Each wait has a timeout; a silent peer
 becomes a :class:`PeerTimeout` naming the rank.
+
+Run its tests: ``python -m pytest -q tests/dist/test_asp_server.py``
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-HELLO, PUSH = 0, 1
+HELLO, PUSH, POLL = 0, 1, 2  # request kinds
+GO, STOP, HOLD = 0, 1, 2  # reply status
+POLL_S = 0.02  # a held worker asks again after this long
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_STATE = 11, 12, 13, 14
 REQUEST_LEN, REPLY_HEAD = 6, 5
 
@@ -45,11 +57,19 @@ class Request:
 
 @dataclass(frozen=True)
 class Reply:
-    stop: bool
+    status: int  # GO, STOP or HOLD
     version: int
     epoch: int
     slowdown: float  # emulate a machine this many times slower for this batch (1: native)
     indices: list[int]
+
+    @property
+    def stop(self) -> bool:
+        return self.status == STOP
+
+    @property
+    def hold(self) -> bool:
+        return self.status == HOLD
 
 
 def _wait(work, timeout_s: float, what: str) -> None:
@@ -72,21 +92,25 @@ class ServerLink:
         src = int(work._source_rank()) if hasattr(work, "_source_rank") else int(work.source_rank())
         kind, batch, version, cycle_s, compute_s, loss = head.tolist()
         req = Request(src, int(kind), int(batch), int(version), cycle_s, compute_s, loss)
+        if req.kind not in (HELLO, PUSH, POLL):
+            raise RuntimeError(f"worker rank {src} sent an unknown request kind {req.kind}")
         if req.kind != PUSH:
             return req, None
         _wait(dist.irecv(self.payload, src=src, tag=TAG_PAYLOAD), self.timeout_s,
               f"worker rank {src} sent a header but no gradients")
         return req, self.payload
 
-    def reply(self, rank: int, stop: bool, version: int, epoch: int, slowdown: float, indices: list[int],
-              state: torch.Tensor | None) -> None:
+    def reply(self, rank: int, status: int, version: int, epoch: int = 0, slowdown: float = 1.0,
+              indices: list[int] | None = None, state: torch.Tensor | None = None) -> None:
+        """Answer worker ``rank``: ``GO`` sends ``indices`` and ``state``; ``STOP`` and ``HOLD`` send neither."""
+        indices = indices or []
         if len(indices) > self.max_batch:
             raise ValueError(f"{len(indices)} indices exceed the largest batch {self.max_batch}")
         head = torch.zeros(REPLY_HEAD + self.max_batch, dtype=torch.float64)
-        head[:REPLY_HEAD] = torch.tensor([float(stop), version, len(indices), epoch, slowdown], dtype=torch.float64)
+        head[:REPLY_HEAD] = torch.tensor([status, version, len(indices), epoch, slowdown], dtype=torch.float64)
         head[REPLY_HEAD : REPLY_HEAD + len(indices)] = torch.tensor(indices, dtype=torch.float64)
         _wait(dist.isend(head, dst=rank, tag=TAG_REPLY), self.timeout_s, f"worker rank {rank} took no reply")
-        if not stop:
+        if status == GO:
             _wait(dist.isend(state, dst=rank, tag=TAG_STATE), self.timeout_s, f"worker rank {rank} took no weights")
 
 
@@ -103,9 +127,9 @@ class WorkerLink:
             _wait(dist.isend(payload, dst=0, tag=TAG_PAYLOAD), self.timeout_s, "the server (rank 0) took no gradients")
         reply = torch.empty(REPLY_HEAD + self.max_batch, dtype=torch.float64)
         _wait(dist.irecv(reply, src=0, tag=TAG_REPLY), self.timeout_s, "the server (rank 0) did not answer")
-        stop, version, count, epoch, slowdown = reply[:REPLY_HEAD].tolist()
-        stop, version, count, epoch = int(stop), int(version), int(count), int(epoch)
+        status, version, count, epoch, slowdown = reply[:REPLY_HEAD].tolist()
+        status, version, count, epoch = int(status), int(version), int(count), int(epoch)
         indices = [int(v) for v in reply[REPLY_HEAD : REPLY_HEAD + count].tolist()]
-        if not stop:
+        if status == GO:
             _wait(dist.irecv(self.state, src=0, tag=TAG_STATE), self.timeout_s, "the server (rank 0) sent no weights")
-        return Reply(bool(stop), version, epoch, slowdown, indices)
+        return Reply(status, version, epoch, slowdown, indices)

@@ -49,7 +49,7 @@ def _run_job(job: Job, ctx: group.DistContext) -> dict | None:
 
         return train_plain_ddp(job.cfg, ctx, run_dir)
     if job.cfg.mode == "asp":
-        from omnilearn.asp.runtime import train_asp
+        from omnilearn.experiments.asp_train import train_asp
 
         return train_asp(job.cfg, ctx, run_dir)
     from omnilearn.experiments.trainer import BSPTrainer

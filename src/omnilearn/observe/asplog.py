@@ -1,136 +1,141 @@
-"""The parameter server's record of an ASP run: metrics.jsonl, progress, summary.json, model.pt.
+"""The parameter server's record of an ASP run: push events streamed, bounded aggregates for the summary.
 
-Events: ``push`` (one per applied gradient: worker ``rank`` 0..n-1, its
-``batch``, ``staleness``, ``cycle_s`` and ``compute_s``, the ``lr`` applied,
-the server ``version`` after it, training ``wall_s``), ``decision``,
-``speeds`` and ``eval`` (test loss and accuracy with training wall time).
+Events (through the one :class:`~omnilearn.observe.events.EventRecorder`):
+``push`` (one per applied gradient: worker ``rank`` 0..n-1, its ``batch``,
+``staleness``, ``pulled_version``, ``cycle_s`` and ``compute_s``, ``loss``,
+the ``lr`` applied, the server ``version`` after it, training ``wall_s``,
+``epoch`` of data dealt), ``decision``, ``speeds`` and ``eval`` (test loss
+and accuracy with training wall time). No push is kept in memory: per worker
+a :class:`~omnilearn.observe.suffix.SuffixStats` gives the exact "last half
+of its pushes" means, one more gives the last half's maximum staleness, and
+the progress line sums the current control interval only.
+
+Run its tests: ``python -m pytest -q tests/unit/test_recorder.py tests/dist/test_asp_server.py``
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 from statistics import fmean
 
 import torch
 
 from omnilearn.asp.rules import Staleness
-from omnilearn.experiments.config import TrainConfig
-from omnilearn.balance.controllers import Decision
-from omnilearn.observe.console import Console
-from omnilearn.observe.rundir import MetricsLog, save_model, write_json
-from omnilearn.runplan import RunPlan
+from omnilearn.asp.settings import ASPSettings
+from omnilearn.config import BalanceConfig
+from omnilearn.observe.events import EventRecorder
+from omnilearn.observe.suffix import SuffixStats
+
+PER_WORKER = ("batch", "cycle_s", "compute_s", "staleness")  # summed, summed, summed, maximum
 
 
 class ASPLog:
-    def __init__(self, cfg: TrainConfig, run: RunPlan, total_pushes: int, run_dir: Path | None) -> None:
-        self.cfg, self.run, self.total, self.run_dir = cfg, run, total_pushes, run_dir
-        self.log = MetricsLog(run_dir) if run_dir is not None else None
-        self.console = Console(quiet=cfg.quiet)
-        self.recent: list[dict] = []  # pushes since the last progress line
-        self.pushes: list[dict] = []
-        self.last_eval: dict = {}
-        self.speed_changes: list[tuple[int, tuple[float, ...]]] = []
-        self.decisions = 0
-        self.start_s = 0.0
+    def __init__(self, cfg: BalanceConfig, settings: ASPSettings, total_pushes: int, run_dir: Path | None) -> None:
+        self.cfg, self.settings, self.total, self.n = cfg, settings, total_pushes, cfg.workers
+        self.events = EventRecorder(run_dir, quiet=cfg.quiet)
+        self.console = self.events.console
+        self.per_worker = [SuffixStats(("sum", "sum", "sum", "max")) for _ in range(self.n)]
+        self.all_staleness = SuffixStats(("max",))
+        self.last_losses: deque[float] = deque(maxlen=self.n)
+        self.samples = 0
+        self._new_interval()
 
-    def _write(self, record: dict) -> None:
-        if self.log is not None:
-            self.log.write(record)
+    def _new_interval(self) -> None:
+        """Progress-line sums over the pushes since the last line (per worker: count, cycle, staleness, batch)."""
+        self.recent = [[0, 0.0, 0.0, None] for _ in range(self.n)]
+        self.recent_loss, self.recent_count = 0.0, 0
 
-    def start(self, start_s: float) -> None:
-        self.start_s = start_s
+    @property
+    def last_eval(self) -> dict:
+        return self.events.last_eval
 
     def speeds(self, version: int, speeds: tuple[float, ...]) -> None:
-        if self.speed_changes and speeds == self.speed_changes[-1][1]:
-            return
-        self.speed_changes.append((version, speeds))
-        self._write({"event": "speeds", "version": version, "step": version // self.cfg.workers,
-                     "speeds": list(speeds)})
-        if version > 0:
+        if self.events.speeds(version, speeds, version=version, step=version // self.n) and version > 0:
             self.console.speeds(version, speeds)
 
     def push(self, version: int, worker: int, req, staleness: int, lr: float, wall_s: float, epochs: float) -> None:
-        record = {"event": "push", "version": version, "rank": worker, "batch": req.batch, "staleness": staleness,
-                  "pulled_version": req.pulled_version,
-                  "cycle_s": req.cycle_s, "compute_s": req.compute_s, "loss": req.loss, "lr": lr, "wall_s": wall_s,
-                  "epoch": epochs}
-        self._write(record)
-        self.pushes.append(record)
-        self.recent.append(record)
-        if len(self.recent) >= self.cfg.control_interval * self.cfg.workers or version == self.total:
-            self._progress(version)
+        """One applied push (``req``: the worker's request: batch, pulled_version, cycle_s, compute_s, loss)."""
+        self.events.write("push", version=version, rank=worker, batch=req.batch, staleness=staleness,
+                          pulled_version=req.pulled_version, cycle_s=req.cycle_s, compute_s=req.compute_s,
+                          loss=req.loss, lr=lr, wall_s=wall_s, epoch=epochs)
+        self.per_worker[worker].add([req.batch, req.cycle_s, req.compute_s, staleness])
+        self.all_staleness.add([staleness])
+        self.last_losses.append(req.loss)
+        self.samples += req.batch
+        mine = self.recent[worker]
+        mine[0], mine[1], mine[2], mine[3] = mine[0] + 1, mine[1] + req.cycle_s, mine[2] + staleness, req.batch
+        self.recent_loss, self.recent_count = self.recent_loss + req.loss, self.recent_count + 1
+        if self.recent_count >= self.cfg.control_interval * self.n or version == self.total:
+            self._progress(version, epochs)
 
-    def _progress(self, version: int) -> None:
-        rows, self.recent = self.recent, []
-        per = [[r for r in rows if r["rank"] == w] for w in range(self.cfg.workers)]
-        stale = "/".join(f"{fmean(r['staleness'] for r in p):.1f}" if p else "-" for p in per)
-        cycles = "/".join(f"{fmean(r['cycle_s'] for r in p) * 1e3:.0f}" if p else "-" for p in per)
-        self.console.line(
-            f"update {version:>6}/{self.total} | epoch {rows[-1]['epoch']:5.2f} | loss {fmean(r['loss'] for r in rows):.4f}"
-            f" | batches {'/'.join(str(int(p[-1]['batch'])) if p else '-' for p in per)} | cycle ms {cycles}"
-            f" | staleness {stale}", transient=True)
-        if self.log is not None:
-            self.log.flush()
+    def _progress(self, version: int, epochs: float) -> None:
+        per = self.recent
+        self.console.push_progress(
+            version, self.total, epochs, self.recent_loss / self.recent_count,
+            [str(int(b)) if b is not None else "-" for _, _, _, b in per],
+            [c / k if k else None for k, c, _, _ in per], [s / k if k else None for k, _, s, _ in per])
+        self._new_interval()
+        self.events.flush()
 
-    def decision(self, d: Decision) -> None:
-        self._write({"event": "decision", "step": d.step, "old": list(d.old), "new": list(d.new),
-                     "times_s": list(d.times_s), "changed": d.changed, "reason": d.reason})
+    def decision(self, d, effective_step: int | None = None) -> None:
+        """A controller decision; a changed one is applied at once (from ``effective_step``, default ``d.step``)."""
+        eff = getattr(d, "effective_step", None)
+        eff = (d.step if effective_step is None else effective_step) if eff is None else eff
+        self.events.decision(d, eff, d.changed)
         if d.changed:
-            self.decisions += 1
-            self.console.rebalance(d.step, d.step, d.old, d.new, d.times_s)
+            self.console.rebalance(d.step, eff, d.old, d.new, d.times_s)
 
     def evaluation(self, epoch: int, version: int, wall_s: float, loss: float, accuracy: float) -> None:
-        self.last_eval = {"epoch": epoch, "version": version, "step": version // self.cfg.workers, "wall_s": wall_s,
-                          "test_loss": loss, "test_accuracy": accuracy}
-        self._write({"event": "eval", **self.last_eval})
+        self.events.evaluation(epoch=epoch, version=version, step=version // self.n, wall_s=wall_s, test_loss=loss,
+                               test_accuracy=accuracy)
 
     def finish(self, wall_s: float, train_s: float, staleness: Staleness, model: torch.nn.Module,
                samples_dealt: int) -> dict:
         summary = {**self.summary(wall_s, train_s, staleness), "samples_dealt": samples_dealt}
-        if self.run_dir is not None:
-            write_json(self.run_dir / "summary.json", summary)
-            save_model(self.run_dir, model)
-        if self.log is not None:
-            self.log.close()
-        self.console.line(f"{'worker':>6} {'updates':>8} {'batch':>7} {'cycle ms':>9} {'staleness mean/max':>19} "
-                           f"{'updates/s':>10}")
-        for w in summary["workers"]:
-            self.console.line(f"{w['rank']:>6} {w['updates']:>8} {w['mean_batch']:>7.1f} {w['mean_cycle_s'] * 1e3:>9.1f} "
-                               f"{w['mean_staleness']:>10.2f}/{w['max_staleness']:<8} {w['updates_per_s']:>10.2f}")
+        self.events.finish(summary, model)
+        for stats in (*self.per_worker, self.all_staleness):
+            stats.close()
+        self.console.push_table(summary["workers"])
         label = f"[asp {self.cfg.speeds} {self.cfg.controller}] " if self.cfg.quiet else ""
-        self.console.info(f"{label}{summary['updates']} updates in {train_s:.1f} s | test accuracy "
-                          f"{summary['test_accuracy']:.2%} | staleness mean {summary['mean_staleness']:.2f}, "
-                          f"max {summary['max_staleness']}")
-        if self.run_dir is not None and not self.cfg.quiet:
-            self.console.info(f"run directory: {self.run_dir}")
+        accuracy = summary["test_accuracy"]
+        self.console.info(f"{label}{summary['updates']} updates in {train_s:.1f} s | "
+                          + (f"test accuracy {accuracy:.2%} | " if accuracy is not None else "")
+                          + f"staleness mean {summary['mean_staleness']:.2f}, max {summary['max_staleness']}")
+        self.events.report_run_dir(self.cfg.quiet)
         return summary
 
+    def worker_summary(self, w: int, staleness: Staleness, train_s: float) -> dict:
+        """Worker ``w``'s counts, and its means over the last half of its pushes."""
+        stats = self.per_worker[w]
+        half = stats.count // 2
+        batch, cycle_s, compute_s, max_stale = stats.since(half)
+        k = stats.count - half
+        return {
+            "rank": w, "updates": staleness.counts[w], "mean_staleness": staleness.mean(w),
+            "max_staleness": staleness.maxima[w], "updates_per_s": staleness.counts[w] / train_s,
+            "max_staleness_last_half": int(max_stale) if k else 0,
+            "mean_batch": batch / k if k else 0.0, "mean_cycle_s": cycle_s / k if k else 0.0,
+            "mean_compute_s": compute_s / k if k else 0.0,
+        }
+
     def summary(self, wall_s: float, train_s: float, staleness: Staleness) -> dict:
-        n = self.cfg.workers
-        workers = []
-        for w in range(n):
-            mine = [p for p in self.pushes if p["rank"] == w]
-            half = mine[len(mine) // 2 :] or mine
-            workers.append({
-                "rank": w, "updates": staleness.counts[w], "mean_staleness": staleness.mean(w),
-                "max_staleness": staleness.maxima[w], "updates_per_s": staleness.counts[w] / train_s,
-                "max_staleness_last_half": max((p["staleness"] for p in half), default=0),
-                "mean_batch": fmean(p["batch"] for p in half) if half else 0.0,
-                "mean_cycle_s": fmean(p["cycle_s"] for p in half) if half else 0.0,
-                "mean_compute_s": fmean(p["compute_s"] for p in half) if half else 0.0,
-            })
+        n, s = self.n, self.settings
         updates = sum(staleness.counts)
+        pushes = self.all_staleness.count
+        changes = self.events.speed_changes
         return {
             "mode": "asp", "updates": updates, "steps": updates // n, "wall_s": wall_s, "train_s": train_s,
-            "samples_per_s": sum(p["batch"] for p in self.pushes) / train_s, "controller": self.cfg.controller,
-            "lr_scaling": self.cfg.lr_scaling, "staleness_lr": self.cfg.staleness_lr, "rebalances": self.decisions,
+            "samples_per_s": self.samples / train_s, "controller": self.cfg.controller,
+            "lr_scaling": s.lr_scaling, "staleness_lr": s.staleness_lr, "rebalances": self.events.rebalances,
             "test_accuracy": self.last_eval.get("test_accuracy"), "test_loss": self.last_eval.get("test_loss"),
-            "final_train_loss": fmean(p["loss"] for p in self.pushes[-n:]) if self.pushes else None,
+            "final_train_loss": fmean(self.last_losses) if self.last_losses else None,
             "mean_staleness": sum(staleness.totals) / max(1, updates), "max_staleness": max(staleness.maxima),
             # after the controller's first decisions: the transient of the first intervals left out
-            "max_staleness_last_half": max((p["staleness"] for p in self.pushes[len(self.pushes) // 2 :]), default=0),
-            "declared_speeds": list(self.speed_changes[-1][1]) if len(self.speed_changes) == 1 else None,
-            "speed_changes": [{"version": v, "speeds": list(s)} for v, s in self.speed_changes],
-            "workers": workers, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "max_staleness_last_half": int(self.all_staleness.since(pushes // 2)[0]) if pushes else 0,
+            "declared_speeds": list(changes[-1][1]) if len(changes) == 1 else None,
+            "speed_changes": [{"version": v, "speeds": list(sp)} for v, sp in changes],
+            "workers": [self.worker_summary(w, staleness, train_s) for w in range(n)],
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

@@ -1,14 +1,16 @@
-"""Human output (rank 0 only): a live progress line, rebalance notes, the final table.
+"""Human output (rank 0 only), for BSP and ASP: a live progress line, rebalance notes, the final table.
 
 On a terminal the progress line rewrites itself in place; in a log (CI, a
 pipe) each update is its own line. Machine-readable output lives in the run
 directory, never here.
+
+Run its tests: ``python -m pytest -q tests/unit/test_recorder.py``
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 from omnilearn.balance.efficiency import WorkerStats
 
@@ -76,3 +78,19 @@ class Console:
             speed = f"{declared[s.rank]:g}" if declared else "varied"
             self._emit(f"{s.rank:>4} {speed:>8} {s.mean_batch:>7.1f} {_ms(s.mean_compute_s):>10} "
                        f"{_ms(s.mean_wait_s):>8} {s.speed:>10.0f}")
+
+    def push_progress(self, version: int, total: int, epochs: float, loss: float, batches: Sequence[str],
+                      cycle_s: Sequence[float | None], staleness: Sequence[float | None]) -> None:
+        """ASP: one line per control interval of pushes (per worker: last batch, mean cycle, mean staleness)."""
+        cycles = "/".join("-" if c is None else f"{c * 1e3:.0f}" for c in cycle_s)
+        stale = "/".join("-" if s is None else f"{s:.1f}" for s in staleness)
+        self._emit(f"update {version:>6}/{total} | epoch {epochs:5.2f} | loss {loss:.4f} | batches {'/'.join(batches)}"
+                   f" | cycle ms {cycles} | staleness {stale}", transient=True)
+
+    def push_table(self, workers: Sequence[dict[str, Any]]) -> None:
+        """ASP: the final per-worker table."""
+        self._emit(f"{'worker':>6} {'updates':>8} {'batch':>7} {'cycle ms':>9} {'staleness mean/max':>19} "
+                   f"{'updates/s':>10}")
+        for w in workers:
+            self._emit(f"{w['rank']:>6} {w['updates']:>8} {w['mean_batch']:>7.1f} {w['mean_cycle_s'] * 1e3:>9.1f} "
+                       f"{w['mean_staleness']:>10.2f}/{w['max_staleness']:<8} {w['updates_per_s']:>10.2f}")

@@ -1,4 +1,17 @@
-"""Rank 0's record of a run: metrics.jsonl, progress output, summary.json, model.pt."""
+"""BSP's record of a run (rank 0): step rows streamed to ``metrics.jsonl``, bounded aggregates for the summary.
+
+:class:`Telemetry` gets every worker's rows once per control interval
+(``interval``), writes them as ``step`` events through the one
+:class:`~omnilearn.observe.events.EventRecorder`, and keeps no row: per step
+it adds one record (ideal and measured step time, each worker's batch,
+compute and wait) to a :class:`~omnilearn.observe.suffix.SuffixStats`, so the
+summary's "last half" statistics are exact while memory stays
+``O(steps / chunk)`` small vectors. The formulas are those of
+:mod:`omnilearn.balance.efficiency` (``T* = B / sum v_i + min wait``, balance
+efficiency ``mean T* / mean T`` over the last half).
+
+Run its tests: ``python -m pytest -q tests/unit/test_recorder.py``
+"""
 
 from __future__ import annotations
 
@@ -8,122 +21,130 @@ from statistics import fmean
 
 import torch
 
+from omnilearn.balance.efficiency import StepRow, WorkerStats, by_step, ideal_step_s, measured_step_s
 from omnilearn.config import BalanceConfig
-from omnilearn.balance.controllers import Decision
-from omnilearn.balance.efficiency import StepRow, balance_efficiency, by_step, ideal_step_s, measured_step_s, worker_stats
-from omnilearn.observe.console import Console
-from omnilearn.observe.rundir import MetricsLog, save_model, write_json
+from omnilearn.observe.events import EventRecorder
+from omnilearn.observe.suffix import SuffixStats
 from omnilearn.runplan import RunPlan
+
+ROW_FIELDS = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "lr")
 
 
 class Telemetry:
     def __init__(self, cfg: BalanceConfig, run: RunPlan, run_dir: Path | None) -> None:
         self.cfg, self.run, self.run_dir = cfg, run, run_dir
-        self.log = MetricsLog(run_dir) if run_dir is not None else None
-        self.console = Console(quiet=cfg.quiet)
-        self.rows: list[StepRow] = []
-        self.train_loss: dict[int, float] = {}
-        self.last_eval: dict = {}
-        self.speed_changes: list[tuple[int, tuple[float, ...]]] = []
-        self.decisions = 0
+        self.events = EventRecorder(run_dir, quiet=cfg.quiet)
+        self.console = self.events.console
+        n = cfg.workers
+        # Per step: step, ideal_s, measured_s, then per worker batch, compute_s, wait_s (in rank order).
+        self.stats = SuffixStats(("max", "sum", "sum") + ("sum",) * (3 * n))
+        self.steps_recorded = 0
+        self.final_train_loss: float | None = None
 
-    def _write(self, record: dict) -> None:
-        if self.log is not None:
-            self.log.write(record)
+    @property
+    def last_eval(self) -> dict:
+        return self.events.last_eval
 
     def speeds(self, step: int, speeds: tuple[float, ...]) -> None:
-        if self.speed_changes and speeds == self.speed_changes[-1][1]:
-            return
-        self.speed_changes.append((step, speeds))
-        self._write({"event": "speeds", "step": step, "speeds": list(speeds)})
-        if step > 0:
+        if self.events.speeds(step, speeds, step=step) and step > 0:
             self.console.speeds(step, speeds)
 
-    def interval(self, table: list[list[list[float]]], decision: Decision, effective: int) -> None:
-        spe = self.run.steps_per_epoch
-        new_rows = []
-        for rank, rows in enumerate(table):
-            for step, batch, compute_s, wait_s, step_s, loss, delay_s, lr in rows:
-                step, batch = int(step), int(batch)
-                self._write({"event": "step", "step": step, "epoch": step // spe, "rank": rank, "batch": batch,
-                             "compute_s": compute_s, "wait_s": wait_s, "step_s": step_s, "loss": loss,
-                             "lr": lr, "delay_s": delay_s})
-                new_rows.append(StepRow(step, rank, batch, compute_s, wait_s, step_s))
-                self.train_loss[step] = self.train_loss.get(step, 0.0) + loss * batch / self.cfg.global_batch
-        self.rows.extend(new_rows)
-        steps = by_step(new_rows)
+    def interval(self, table: list[list[list[float]]], decision, effective: int) -> None:
+        """One control interval: ``table[rank]`` holds that rank's rows ``[step, batch, compute_s, ...]``."""
+        steps, loss = self._record_rows(table)
+        eff = getattr(decision, "effective_step", None)
+        eff = effective if eff is None else eff
         total = self.run.total_steps
-        applied = decision.changed and (total is None or effective < total)
-        new = decision.new if applied else decision.old
-        self._write({"event": "decision", "step": decision.step, "effective_step": effective if applied else None,
-                     "old": list(decision.old), "new": list(new), "proposed": list(decision.new),
-                     "times_s": list(decision.times_s), "changed": applied, "reason": decision.reason})
-        self._progress(decision, steps)
+        applied = decision.changed and (total is None or eff < total)
+        self.events.decision(decision, eff, applied)
+        if steps:
+            self._progress(decision, steps, loss)
         if applied:
-            self.decisions += 1
-            self.console.rebalance(decision.step, effective, decision.old, decision.new, decision.times_s)
-        if self.log is not None:
-            self.log.flush()
+            self.console.rebalance(decision.step, eff, decision.old, decision.new, decision.times_s)
+        self.events.flush()
 
-    def _progress(self, decision: Decision, steps: dict[int, list[StepRow]]) -> None:
+    def _record_rows(self, table: list[list[list[float]]]) -> tuple[dict[int, list[StepRow]], float]:
+        """Write the step events, add one summary record per step; the interval's rows by step, its mean loss."""
+        spe, new_rows, loss = self.run.steps_per_epoch, [], {}
+        for rank, rows in enumerate(table):
+            for step, batch, compute_s, wait_s, step_s, row_loss, delay_s, lr in rows:
+                step, batch = int(step), int(batch)
+                self.events.write("step", step=step, epoch=step // spe, rank=rank, batch=batch, compute_s=compute_s,
+                                  wait_s=wait_s, step_s=step_s, loss=row_loss, lr=lr, delay_s=delay_s)
+                new_rows.append(StepRow(step, rank, batch, compute_s, wait_s, step_s))
+                loss[step] = loss.get(step, 0.0) + row_loss * batch / self.cfg.global_batch
+        steps = by_step(new_rows)
+        for step in sorted(steps):
+            rows = sorted(steps[step], key=lambda r: r.rank)
+            self.stats.add([step, ideal_step_s(rows), measured_step_s(rows), *(r.batch for r in rows),
+                            *(r.compute_s for r in rows), *(r.wait_s for r in rows)])
+            self.final_train_loss = loss[step]
+            self.steps_recorded += 1
+        return steps, fmean(loss.values()) if loss else float("nan")
+
+    def _progress(self, decision, steps: dict[int, list[StepRow]], loss: float) -> None:
         last = max(steps)
         self.console.progress(
-            last + 1, self.run.total_steps or "?", last // self.run.steps_per_epoch,
-            fmean(self.train_loss[s] for s in steps), decision.old,
+            last + 1, self.run.total_steps or "?", last // self.run.steps_per_epoch, loss, decision.old,
             fmean(measured_step_s(v) for v in steps.values()),
             fmean(ideal_step_s(v) for v in steps.values()),
             max(fmean(r.wait_s for r in v) for v in zip(*steps.values())),
         )
 
     def evaluation(self, epoch: int | None, step: int, wall_s: float, loss: float, accuracy: float) -> None:
-        self.last_eval = {"epoch": epoch, "step": step, "wall_s": wall_s, "test_loss": loss, "test_accuracy": accuracy}
-        self._write({"event": "eval", **self.last_eval})
+        self.events.evaluation(epoch=epoch, step=step, wall_s=wall_s, test_loss=loss, test_accuracy=accuracy)
+
+    def worker_stats(self, first_index: int) -> list[WorkerStats]:
+        """Per-worker means over the recorded steps from the ``first_index``-th on (what ``worker_stats`` gives)."""
+        n, sums = self.cfg.workers, self.stats.since(first_index)
+        count = self.stats.count - max(0, first_index)
+        out = []
+        for rank in range(n):
+            batch, compute, wait = (sums[3 + k * n + rank] / count for k in range(3))
+            out.append(WorkerStats(rank, batch, compute, wait, batch / compute))
+        return out
 
     def finish(self, wall_s: float, train_s: float, model: torch.nn.Module | None) -> dict:
         """``train_s``: the wall time of the training loop without evaluation."""
         summary = self.summary(wall_s, train_s)
-        if self.run_dir is not None:
-            write_json(self.run_dir / "summary.json", summary)
-            if model is not None:
-                save_model(self.run_dir, model)
-        if self.log is not None:
-            self.log.close()
+        self.events.finish(summary, model)
         first = summary["stats_from_step"]
-        self.console.table(worker_stats(self.rows, first), summary["declared_speeds"], first)
+        self.console.table(self.worker_stats(self.steps_recorded // 2), summary["declared_speeds"], first)
+        self.stats.close()
         label = f"[{self.cfg.speed_schedule or self.cfg.speeds} {self.cfg.controller}] " if self.cfg.quiet else ""
         accuracy = summary["test_accuracy"]
         self.console.info(
-            f"{label}balance efficiency {summary['balance_efficiency']:.3f} (ideal step {summary['ideal_step_s'] * 1e3:.1f} ms, "
-            f"measured {summary['mean_step_s'] * 1e3:.1f} ms) | {summary['samples_per_s']:.0f} samples/s | "
+            f"{label}balance efficiency {summary['balance_efficiency']:.3f} "
+            f"(ideal step {summary['ideal_step_s'] * 1e3:.1f} ms, measured {summary['mean_step_s'] * 1e3:.1f} ms) | "
+            f"{summary['samples_per_s']:.0f} samples/s | "
             + (f"test accuracy {accuracy:.2%} | " if accuracy is not None else "")
             + f"{summary['steps']} steps in {wall_s:.1f} s"
         )
-        if self.run_dir is not None and not self.cfg.quiet:
-            self.console.info(f"run directory: {self.run_dir}")
+        self.events.report_run_dir(self.cfg.quiet)
         return summary
 
     def summary(self, wall_s: float, train_s: float) -> dict:
-        done = sorted(by_step(self.rows))  # the steps run (an API loop may skip the rest of an epoch)
-        steps = len(done)
-        first = done[steps // 2]
-        stats = worker_stats(self.rows, first)
-        last = {s.rank: s.mean_compute_s
-                for s in worker_stats(self.rows, done[max(0, steps - self.cfg.control_interval)])}
-        half = [v for s, v in by_step(self.rows).items() if s >= first]
-        declared = self.speed_changes[-1][1] if self.speed_changes[-1][0] <= first else None
+        """The summary of the steps recorded; the last half starts at the ``steps // 2``-th recorded step."""
+        steps = self.steps_recorded
+        half = steps // 2
+        first = int(self.stats.record(half)[0])
+        stats = self.worker_stats(half)
+        last = [s.mean_compute_s for s in self.worker_stats(steps - self.cfg.control_interval)]
+        _, ideal_sum, measured_sum, *_ = self.stats.since(half)
+        declared = self.events.declared_speeds(first)
         return {
             "steps": steps, "wall_s": wall_s, "train_s": train_s, "wall_step_s": train_s / steps,
             "samples_per_s": steps * self.cfg.global_batch / train_s,
-            "final_train_loss": self.train_loss[done[-1]], "test_accuracy": self.last_eval.get("test_accuracy"),
+            "final_train_loss": self.final_train_loss, "test_accuracy": self.last_eval.get("test_accuracy"),
             "test_loss": self.last_eval.get("test_loss"), "controller": self.cfg.controller,
-            "rebalances": self.decisions, "stats_from_step": first,
-            "balance_efficiency": balance_efficiency(self.rows, first),
-            "ideal_step_s": fmean(ideal_step_s(v) for v in half),
-            "mean_step_s": fmean(measured_step_s(v) for v in half),
-            "declared_speeds": list(declared) if declared else None,  # in force over the last half; None when a schedule changed them there
-            "speed_changes": [{"step": s, "speeds": list(v)} for s, v in self.speed_changes],
-            "last_interval_compute_s": [last[r] for r in sorted(last)],
-            "last_interval_compute_spread": max(last.values()) / min(last.values()) - 1,
+            "rebalances": self.events.rebalances, "stats_from_step": first,
+            "balance_efficiency": ideal_sum / measured_sum,
+            "ideal_step_s": ideal_sum / (steps - half),
+            "mean_step_s": measured_sum / (steps - half),
+            "declared_speeds": declared,  # in force over the last half; None when a schedule changed them there
+            "speed_changes": [{"step": s, "speeds": list(v)} for s, v in self.events.speed_changes],
+            "last_interval_compute_s": last,
+            "last_interval_compute_spread": max(last) / min(last) - 1,
             "workers": [
                 {"rank": s.rank, "declared_speed": declared[s.rank] if declared else None, "mean_batch": s.mean_batch,
                  "mean_compute_s": s.mean_compute_s, "mean_wait_s": s.mean_wait_s, "speed": s.speed}
@@ -131,4 +152,3 @@ class Telemetry:
             ],
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-

@@ -1,17 +1,23 @@
 """Run directory: ``config.toml``, ``metrics.jsonl``, ``summary.json``, ``model.pt``.
 
 ``metrics.jsonl`` holds one JSON object per line with an ``event`` field:
-``step`` (one per step per worker), ``decision`` (one per controller
-decision), ``speeds`` (an emulated speed change) and ``eval`` (test metrics).
-Only rank 0 writes; it gets every worker's rows once per control interval.
+``step`` (BSP: one per step per worker), ``push`` (ASP: one per applied
+gradient), ``decision`` (one per controller decision), ``speeds`` (an
+emulated speed change) and ``eval`` (test metrics). Only rank 0 writes, through
+:class:`omnilearn.observe.events.EventRecorder`. ``summary.json`` and
+``model.pt`` are written atomically (temp file, fsync, rename): a crash leaves
+the old file or the new one, never half of one.
+
+Run its tests: ``python -m pytest -q tests/unit/test_recorder.py``
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "model.pt")
 
@@ -65,17 +71,42 @@ class MetricsLog:
         self.file.close()
 
 
+def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` through ``write(file)`` into a temp file beside it, fsync it, then rename it over ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:  # the rename itself survives a crash once the directory is synced (not possible everywhere)
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def save_model(run_dir: Path, model) -> None:
     """``RUN_DIR/model.pt``: the model's ``state_dict`` as CPU tensors (``torch.load(..., weights_only=True)``)."""
     import torch
 
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / "model.pt")
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    write_atomic(Path(run_dir) / "model.pt", lambda f: torch.save(state, f))
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    """``obj`` as indented JSON, written atomically."""
+    text = (json.dumps(obj, indent=2) + "\n").encode("utf-8")
+    write_atomic(Path(path), lambda f: f.write(text))
 
 
 def read_metrics(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:

@@ -1,0 +1,36 @@
+"""The parameter server's own settings (the rest is the run's :class:`~omnilearn.config.BalanceConfig`).
+
+Frozen and validated on construction; a bad value is one
+:class:`~omnilearn.config.ConfigError` line naming the flag and the fix.
+
+Run its tests: ``python -m pytest -q tests/unit/test_aspmath.py``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omnilearn.asp.rules import LR_SCALINGS
+from omnilearn.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ASPSettings:
+    """How the server applies pushes and when it stops.
+
+    ``lr_scaling``: ``linear`` (a push's rate times ``b_i / (B / n)``) or ``none``;
+    ``staleness_lr``: also divide a push's rate by its staleness;
+    ``max_time_s``: stop after this much training time (evaluation excluded; None: no limit).
+    """
+
+    lr_scaling: str = "linear"
+    staleness_lr: bool = False
+    max_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ConfigError(f"unknown lr_scaling {self.lr_scaling!r}; choose one of {', '.join(LR_SCALINGS)}")
+        if not isinstance(self.staleness_lr, bool):
+            raise ConfigError(f"--staleness-lr must be true or false, got {self.staleness_lr!r}")
+        if self.max_time_s is not None and not self.max_time_s > 0:
+            raise ConfigError(f"--max-time-s {self.max_time_s:g} must be positive")
