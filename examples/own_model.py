@@ -1,13 +1,20 @@
 """Your own model and dataset with OmniLearn: a small transformer classifier.
 
     torchrun --standalone --nproc-per-node 2 examples/own_model.py --speeds 3,1
+    torchrun --standalone --nproc-per-node 2 examples/own_model.py --accumulation-steps 4
     python examples/own_model.py                # one process, no process group
 
 A plain DDP script differs in the lines marked ``# OmniLearn``: set-up,
-model wrapping, the data loader, and one call per step. Model, dataset,
-loss, optimizer and LR schedule are ordinary PyTorch. ``--speeds 3,1``
-emulates a worker three times slower than the other, so the controller has
-something to balance: watch the "rebalance" lines.
+model wrapping, the data loader, the backward call and one call per step.
+Model, dataset, loss, optimizer and LR schedule are ordinary PyTorch.
+``--speeds 3,1`` emulates a worker three times slower than the other, so the
+controller has something to balance: watch the "rebalance" lines.
+
+Gradient accumulation (``--accumulation-steps K``): the global batch stays
+the batch of one optimizer step; each worker trains its share as K
+micro-batches (the loader hands out the K of a step together), and
+``ol.backward(loss)`` weights each exactly and lets DDP synchronise only on
+the last. Use it instead of ``model.no_sync()``, which OmniLearn refuses.
 """
 
 from __future__ import annotations
@@ -64,27 +71,29 @@ def main() -> None:
     p.add_argument("--speeds", default=None, help="emulated relative worker speeds, e.g. 3,1 (default: all equal)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=128)
+    p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--out", default=None, help="write a run directory here (metrics, summary, plots input)")
     args = p.parse_args()
 
     ol = omnilearn.setup(global_batch=args.global_batch, speeds=args.speeds, control_interval=10,  # OmniLearn
-                         out=args.out, overwrite=True)
+                         accumulation_steps=args.accumulation_steps, out=args.out, overwrite=True)
     train, test = MajorityToken(4096, seed=1), MajorityToken(1024, seed=2)
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = ol.wrap_model(TransformerClassifier())  # OmniLearn: instead of DistributedDataParallel(model)
+    torch.manual_seed(0)  # the same initial weights (DDP would also copy rank 0's)
+    model = ol.wrap_model(TransformerClassifier())  # OmniLearn: instead of DDP(model); then seeds RNGs per rank
     loader = ol.data_loader(train)  # OmniLearn: instead of DataLoader(train, sampler=DistributedSampler(...))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
 
     for epoch in range(args.epochs):
-        for x, y in loader:
-            x, y = x.to(ol.device), y.to(ol.device)
-            loss = F.cross_entropy(model(x), y)
+        for batch in loader:
+            micro_batches = batch if args.accumulation_steps > 1 else [batch]  # K micro-batches, or the batch
             optimizer.zero_grad()
-            loss.backward()
+            for x, y in micro_batches:
+                x, y = x.to(ol.device), y.to(ol.device)
+                ol.backward(F.cross_entropy(model(x), y))  # OmniLearn: instead of loss.backward()
             optimizer.step()
             schedule.step()
-            ol.step(loss)  # OmniLearn: times the step; every 10 steps the controller may move batches
+            ol.step()  # OmniLearn: times the step; every 10 steps the controller may move batches
         with ol.paused():
             ol.sync_buffers()
             test_loss, acc = evaluate(ol.module, test, ol.device)

@@ -5,7 +5,7 @@ by a feedback controller, so fast and slow workers finish their steps together.
 Run ``omnilearn train`` for the embedded demo; in your own loop::
 
     import omnilearn
-    ol = omnilearn.setup(global_batch=256)
+    ol = omnilearn.setup(local_batch=64)     # or global_batch=...
     model, loader = ol.wrap_model(model), ol.data_loader(dataset)
     ...                       # your loop; ol.step(loss) after optimizer.step()
     ol.finish()
@@ -16,16 +16,20 @@ See :mod:`omnilearn.bsp.session` and README.md.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["BalanceConfig", "Session", "setup"]
+__all__ = ["BalanceConfig", "ConfigError", "Session", "setup"]
 
 
 def __getattr__(name: str):  # lazy: ``import omnilearn`` stays cheap for the CLI and the pure modules
-    if name in ("setup", "Session"):
-        from omnilearn.bsp import session
+    if name == "setup":
+        from omnilearn.bsp.setup import setup
 
-        return getattr(session, name)
-    if name == "BalanceConfig":
-        from omnilearn.config import BalanceConfig
+        return setup
+    if name == "Session":
+        from omnilearn.bsp.session import Session
 
-        return BalanceConfig
+        return Session
+    if name in ("BalanceConfig", "ConfigError"):
+        from omnilearn import config
+
+        return getattr(config, name)
     raise AttributeError(f"module 'omnilearn' has no attribute {name!r}")

@@ -4,15 +4,24 @@ Values come from defaults, then an optional TOML file (``--config``; keys are
 the field names below, dashes or underscores), then explicit CLI flags. The
 resolved config is written to ``RUN_DIR/config.toml`` and can be fed back
 with ``--config`` to repeat a run.
+
+:func:`shared_settings` is what every rank must agree on (the session checks
+it across ranks at start): everything but host-local values such as paths
+(``out``, ``data_dir``), the device and console settings; a speed-schedule
+file counts by its content, not its path, so nodes may mount it anywhere.
+
+Run: ``python -m pytest -q tests/unit/test_session_state.py tests/unit/test_cli_errors.py``
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
 
 from omnilearn.balance.allocation import InfeasibleBounds, check_feasible
 from omnilearn.balance.controllers import CONTROLLERS
@@ -49,11 +58,17 @@ class BalanceConfig:
     min_batch: int = 8
     max_batch: int | None = None  # None: the global batch
     control_interval: int = 15
+    accumulation_steps: int = 1  # micro-batches per optimizer step on every worker (gradient accumulation)
     out: str | None = None  # run directory (CLI default: runs/<timestamp>; API default: none written)
     overwrite: bool = False
     device: str = "auto"
     timeout_s: float = 300.0
     quiet: bool = False  # one line per run instead of live progress (used by bench)
+
+    # Settings that may differ between ranks: host paths (``data_dir`` and ``preset``, a preset file's path, are
+    # the harness's), the device, console output.
+    host_local: ClassVar[frozenset[str]] = frozenset({"out", "overwrite", "device", "timeout_s", "quiet", "data_dir",
+                                                      "preset"})
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -61,7 +76,11 @@ class BalanceConfig:
             raise ConfigError(f"--workers {self.workers} must be positive")
         if self.speeds is None and self.workers is not None:
             object.__setattr__(self, "speeds", ",".join(["1"] * self.workers))
-        check_positive(self, "global_batch", "control_interval", "timeout_s")
+        check_positive(self, "global_batch", "control_interval", "timeout_s", "accumulation_steps")
+        if self.min_batch < self.accumulation_steps:
+            raise ConfigError(f"--min-batch {self.min_batch} is below --accumulation-steps {self.accumulation_steps}: "
+                              f"each worker's batch is split into {self.accumulation_steps} micro-batches and none may "
+                              f"be empty; use --min-batch {self.accumulation_steps} or more")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed {self.seed} must be in [0, 2**63)")
         if self.timeout_s > MAX_TIMEOUT_S:
@@ -137,6 +156,23 @@ def check_positive(cfg: BalanceConfig, *names: str) -> None:
         if getattr(cfg, name) <= 0:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} {getattr(cfg, name)} must be positive")
+
+
+def shared_settings(cfg: BalanceConfig) -> dict[str, Any]:
+    """The settings every rank must share: all fields but :attr:`BalanceConfig.host_local` ones.
+
+    A speed-schedule file is represented by a hash of its content (its path
+    may differ between nodes); an unreadable file by its name only (loading
+    it reports the problem).
+    """
+    out = {k: v for k, v in cfg.to_dict().items() if k not in cfg.host_local}
+    schedule = out.get("speed_schedule")
+    if schedule is not None and schedule != "paper":
+        try:
+            out["speed_schedule"] = "sha256:" + hashlib.sha256(Path(schedule).read_bytes()).hexdigest()
+        except OSError:
+            out["speed_schedule"] = "unreadable:" + Path(schedule).name
+    return out
 
 
 def dump_toml(cfg: BalanceConfig) -> str:

@@ -1,13 +1,23 @@
-"""Resolve balancing settings against a dataset: steps per epoch, total steps, speed schedule.
+"""Resolve balancing settings against a dataset: steps per epoch, total steps, speed schedule, lag.
 
 The Python API resolves when the data loader is made, from the dataset's
 length and the loader's prefetch depth; the CLI's ``resolve`` (in
 :mod:`omnilearn.experiments.workload`) does the same from ``--epochs`` /
-``--max-steps`` before any worker starts.
+``--max-steps`` before any worker starts. :func:`initial_speeds` answers
+the one question asked before any dataset is known: the speeds at step 0
+(the ``static`` controller's first plan).
+
+``lag``: a ``DataLoader`` with worker processes asks its batch sampler for
+``prefetch_batches`` index lists ahead; with ``accumulation_steps = k`` each
+step is ``k`` lists, so the sampler runs ``ceil(prefetch_batches / k)``
+steps ahead, and a batch change must be registered that far ahead.
+
+Run: ``python -m pytest -q tests/unit/test_session_state.py``
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from omnilearn.config import BalanceConfig, ConfigError
@@ -30,8 +40,10 @@ class RunPlan:
         return -(-self.total_steps // self.steps_per_epoch)
 
 
-def plan_run(cfg: BalanceConfig, dataset_len: int, total_steps: int | None, lag: int, what: str = "dataset") -> RunPlan:
-    """``lag``: batches the data loader prefetches (its workers x prefetch factor)."""
+def plan_run(cfg: BalanceConfig, dataset_len: int, total_steps: int | None, prefetch_batches: int,
+             what: str = "dataset") -> RunPlan:
+    """``prefetch_batches``: index lists the data loader prefetches (its workers x prefetch factor)."""
+    lag = math.ceil(prefetch_batches / cfg.accumulation_steps)
     if dataset_len < cfg.global_batch:
         raise ConfigError(
             f"--global-batch {cfg.global_batch} is larger than the {what} ({dataset_len} samples); "
@@ -40,11 +52,19 @@ def plan_run(cfg: BalanceConfig, dataset_len: int, total_steps: int | None, lag:
     if cfg.controller == "omnilearn" and cfg.control_interval < lag + MIN_STEPS_PER_DECISION:
         raise ConfigError(
             f"--control-interval {cfg.control_interval} is too short for a data loader that prefetches {lag} "
-            f"batches; use at least {lag + MIN_STEPS_PER_DECISION}"
+            f"steps; use at least {lag + MIN_STEPS_PER_DECISION}"
         )
     spe = dataset_len // cfg.global_batch
     try:
         return RunPlan(spe, total_steps, _speed_schedule(cfg, total_steps, spe), lag)
+    except SpeedError as e:
+        raise ConfigError(str(e)) from None
+
+
+def initial_speeds(cfg: BalanceConfig, total_steps: int | None) -> tuple[float, ...]:
+    """The emulated speeds at step 0, before the dataset (and so the epoch length) is known."""
+    try:  # step 0 is epoch 0 whatever the epoch length: any length gives the same answer
+        return _speed_schedule(cfg, total_steps, 1 << 40).at(0)
     except SpeedError as e:
         raise ConfigError(str(e)) from None
 

@@ -1,6 +1,15 @@
 """The public Python API (``omnilearn.setup``): one process, an existing process group, and torchrun.
 
-Run: ``python -m pytest -q tests/dist/test_api.py`` (under a minute on 2 cores).
+One process: training follows the plan's global batches; misuse errors;
+``local_batch``; loops that prefetch, peek, break and ``set_epoch``. Two
+gloo ranks in the user's own group: unequal batches follow emulated
+speeds, buffers and weights agree, dropout differs per rank, a shared
+setting that differs is named (paths are not compared), each control
+interval costs one ``2 x 7`` all-gather and the step rows go to rank 0
+only, and ranks out of step (``sync_buffers()`` on one rank) get a clear
+error. The example script under torchrun, with gradient accumulation.
+
+Run: ``python -m pytest -q tests/dist/test_api.py`` (about two minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -73,17 +82,19 @@ def test_single_process_trains_on_the_global_batches_in_plan_order():
 
 
 def test_misuse_gets_a_clear_error():
-    ol = omnilearn.setup(global_batch=32, device="cpu")
-    with pytest.raises(RuntimeError, match="data_loader"):
-        ol.batches
+    ol = omnilearn.setup(global_batch=8, device="cpu")
+    assert ol.batches == (8,)  # planned before any dataset
     loader = ol.data_loader(ListData())
     with pytest.raises(RuntimeError, match="one training loader"):
         ol.data_loader(ListData())
     with pytest.raises(RuntimeError, match="without a batch"):
         ol.step()
+    with pytest.raises(RuntimeError, match="without a batch"):
+        ol.backward(torch.zeros((), requires_grad=True))
     batches = iter(loader)
-    next(batches)
-    with pytest.raises(RuntimeError, match="never reported"):
+    for _ in range(5):  # a loop may fetch ahead of ol.step() (prefetching), but not without bound
+        next(batches)
+    with pytest.raises(RuntimeError, match=r"never reported: call ol.step\(\) once per batch"):
         next(batches)
     with pytest.raises(ConfigError, match="workers=3"):
         omnilearn.setup(workers=3, device="cpu")
@@ -91,67 +102,221 @@ def test_misuse_gets_a_clear_error():
         omnilearn.setup(global_batch=512, device="cpu").data_loader(ListData(96))
 
 
+def test_local_batch_or_global_batch_not_both():
+    assert omnilearn.setup(local_batch=16, device="cpu").global_batch == 16  # x 1 worker
+    assert omnilearn.setup(device="cpu").global_batch == 32  # the per-worker default
+    with pytest.raises(ConfigError, match="global_batch=64 and local_batch=16 both given; give one"):
+        omnilearn.setup(global_batch=64, local_batch=16, device="cpu")
+    with pytest.raises(ConfigError, match="local_batch=0 must be a positive integer"):
+        omnilearn.setup(local_batch=0, device="cpu")
+    with pytest.raises(ConfigError, match="local_batch=4 x 1 workers"):
+        omnilearn.setup(local_batch=4, device="cpu")  # below min_batch 8
+
+
+def _train_step(ol, model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ol.step(loss)
+
+
+def test_a_prefetching_loop_fetches_the_next_batch_before_step():
+    data = ListData()
+    ol = omnilearn.setup(global_batch=16, control_interval=3, device="cpu")
+    model = ol.wrap_model(nn.Linear(6, 3))
+    loader = ol.data_loader(data)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan, seen = GlobalPlan(len(data), 16, seed=0), []
+    for _ in range(2):
+        it = iter(loader)
+        batch = next(it, None)
+        while batch is not None:
+            upcoming = next(it, None)  # fetched while the step is still open
+            seen.append(batch[0])
+            _train_step(ol, model, opt, *batch)
+            if upcoming is not None:
+                assert ol.ledger.open == len(seen)  # the next step's clock started when this one ended
+            batch = upcoming
+    assert len(seen) == 12
+    for step, x in enumerate(seen):
+        assert torch.equal(x, data.x[plan.step_indices(step)])
+    assert ol.finish()["steps"] == 12
+
+
+def test_peek_set_epoch_and_break_are_dataloader_habits():
+    data = ListData()
+    ol = omnilearn.setup(global_batch=16, control_interval=3, device="cpu")
+    model = ol.wrap_model(nn.Linear(6, 3))
+    loader = ol.data_loader(data)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = GlobalPlan(len(data), 16, seed=0)  # 6 steps per epoch
+    assert loader.dataset is data and len(loader) == 6
+    x0, _ = next(iter(loader))  # a peek: the loop below still starts at step 0
+    for k, (x, y) in enumerate(loader):
+        assert torch.equal(x, data.x[plan.step_indices(k)])
+        _train_step(ol, model, opt, x, y)
+        if k == 1:
+            break  # the next iteration goes on from step 2
+    assert torch.equal(x0, data.x[plan.step_indices(0)])
+    assert torch.equal(next(iter(loader))[0], data.x[plan.step_indices(2)])
+    loader.sampler.set_epoch(2)  # DistributedSampler's habit: moves on to epoch 2
+    steps = 0
+    for x, y in loader:
+        assert torch.equal(x, data.x[plan.step_indices(12 + steps)])
+        _train_step(ol, model, opt, x, y)
+        steps += 1
+    assert steps == 6 and loader.epoch == 3
+    with pytest.raises(RuntimeError, match="already at epoch 3"):
+        loader.set_epoch(1)
+    assert ol.finish()["steps"] == 8
+
+
 def test_an_epoch_cut_short_counts_only_the_steps_run():
     ol = omnilearn.setup(global_batch=8, control_interval=3, device="cpu")
     model = ol.wrap_model(nn.Linear(6, 3))
     loader = ol.data_loader(ListData())
-    for _ in range(3):
+    for epoch in range(3):
+        loader.set_epoch(epoch)  # without it, each loop would go on where the last one stopped
         for k, (x, y) in enumerate(loader):
             F.cross_entropy(model(x), y).backward()
             ol.step()
             if k == 1:
                 break
+    assert ol.sampler.state_dict() == {"epoch": 2, "offset": 2}
     assert ol.finish()["steps"] == 6
 
 
 class BNNet(nn.Module):
-    def __init__(self) -> None:
+    """BatchNorm, and enough compute (a few ms a step) that an emulated 3x slowdown stands out of the noise."""
+
+    def __init__(self, hidden: int = 16, width: int = 0) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        wide = [nn.Linear(hidden, width), nn.ReLU(), nn.Linear(width, hidden)] if width else []
+        self.body = nn.Sequential(nn.Linear(6, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), *wide, nn.Linear(hidden, 3))
 
     def forward(self, x):
         return self.body(x)
 
 
-def _bn_worker(rank: int, store: str, out: str) -> None:
-    # The user's own set-up: OmniLearn joins the group that already exists.
+class CountingCollectives:
+    """Records the size of every all_gather and gather of this process (what a rank sends and receives)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, bool]] = []
+        self.all_gather, self.gather = dist.all_gather, dist.gather
+        dist.all_gather, dist.gather = self._all_gather, self._gather
+
+    def _all_gather(self, parts, tensor, *a, **kw):
+        self.calls.append(("all_gather", sum(p.numel() for p in parts), True))
+        return self.all_gather(parts, tensor, *a, **kw)
+
+    def _gather(self, tensor, parts=None, *a, **kw):
+        self.calls.append(("gather", tensor.numel(), parts is not None))
+        return self.gather(tensor, parts, *a, **kw)
+
+
+def _two_rank_worker(rank: int, store: str, out: str) -> None:
+    # The user's own set-up: OmniLearn joins the group that already exists (one thread each: 2 ranks share a host).
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    ol = omnilearn.setup(global_batch=48, speeds="3,1", control_interval=4, min_batch=4, device="cpu")
-    torch.manual_seed(0)
-    model = ol.wrap_model(BNNet())
+    result = {}
+    try:  # a shared setting that differs is named; host paths may differ
+        omnilearn.setup(global_batch=48, speeds="3,1" if rank == 0 else "1,3", out=f"{out}/mount{rank}", device="cpu")
+    except RuntimeError as e:
+        result["settings_error"] = str(e)
+    # Each node mounts the speed schedule elsewhere: the same content, so the ranks agree.
+    schedule = Path(out) / f"mount{rank}" / "speeds.toml"
+    schedule.parent.mkdir(parents=True, exist_ok=True)
+    schedule.write_text('[[change]]\nat_step = 0\nspeeds = "3,1"\n')
+    ol = omnilearn.setup(local_batch=24, speed_schedule=str(schedule), control_interval=4, min_batch=4, device="cpu",
+                         out=f"{out}/mount{rank}/run")
+    counting = CountingCollectives()  # from here: training's collectives (the start's settings check is done)
+    torch.manual_seed(0)  # as users do: the same initial weights (DDP would broadcast rank 0's anyway)
+    model = ol.wrap_model(BNNet(64, 1024))
+    result["mask"] = F.dropout(torch.ones(256), 0.5)  # after wrapping: this rank's own stream
     loader = ol.data_loader(ListData(480))
     ol.sync_buffers()  # before any step: the shares still sum to one, nothing is scaled
-    assert torch.equal(ol.module.body[1].running_var, torch.ones(16))
+    assert torch.equal(ol.module.body[1].running_var, torch.ones(64))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(2):
+    for _ in range(3):
         for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            ol.step(loss)
+            _train_step(ol, model, opt, x, y)
     ol.finish()
-    torch.save({"buffers": {k: v for k, v in ol.module.state_dict().items() if "running" in k},
-                "params": {k: v.detach() for k, v in ol.module.named_parameters()},
-                "batches": ol.batches}, f"{out}/rank{rank}.pt")
+    result.update(calls=list(counting.calls), global_batch=ol.global_batch, batches=ol.batches,
+                  buffers={k: v for k, v in ol.module.state_dict().items() if "running" in k},
+                  params={k: v.detach() for k, v in ol.module.named_parameters()})
+    # Out of step: rank 1 ends a control interval while rank 0 calls sync_buffers(): both are told.
+    other = omnilearn.setup(global_batch=48, control_interval=3, device="cpu")
+    other.wrap_model(BNNet())
+    it = iter(other.data_loader(ListData(480)))
+    try:
+        for _ in range(3 if rank == 1 else 2):
+            next(it)
+            other.step()
+        if rank == 0:
+            other.sync_buffers()
+    except RuntimeError as e:
+        result["out_of_step"] = str(e)
+    torch.save(result, f"{out}/rank{rank}.pt")
     ol.close()
 
 
-def test_existing_group_unequal_batches_and_batchnorm_buffers_agree(tmp_path):
-    mp.start_processes(_bn_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+def test_existing_group_batches_buffers_seeds_settings_and_traffic(tmp_path):
+    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for r in (a, b):
+        assert "(rank 1: speeds)" in r["settings_error"]  # out differs too, and is not compared
+        assert "ranks [0] at sync_buffers() (or finish()) after 2 steps; ranks [1] at the end of a control " \
+               "interval after 3 steps" in r["out_of_step"]
+    assert a["global_batch"] == 48  # local_batch 24 x 2 workers
     assert a["batches"] == b["batches"] and sum(a["batches"]) == 48
     assert a["batches"][0] > a["batches"][1]  # the emulated 3x slower worker got the smaller batch
+    assert not torch.equal(a["mask"], b["mask"])  # dropout differs between ranks
     for key in ("buffers", "params"):
         for name in a[key]:
             torch.testing.assert_close(a[key][name], b[key][name], msg=f"{key} {name} differ between ranks")
+    # Per control interval of 4 steps: one all_gather of 2 x 7 numbers (not 2 x 4 x 8); the 4 x 8 step rows
+    # go to rank 0 only. 30 steps: 7 intervals and the 2 steps left, flushed by finish().
+    for calls, main in ((a["calls"], True), (b["calls"], False)):
+        assert {n for op, n, _ in calls if op == "all_gather"} == {2 * 7}
+        gathers = [(n, receives) for op, n, receives in calls if op == "gather"]
+        assert gathers == [(4 * 8, main)] * 7 + [(2 * 8, main)]
+
+
+def _timeout_worker(rank: int, store: str, out: str) -> None:
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=15))
+    ol = omnilearn.setup(global_batch=48, control_interval=4, device="cpu")
+    model = ol.wrap_model(BNNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    message = ""
+    try:
+        for k, (x, y) in enumerate(ol.data_loader(ListData(480))):
+            _train_step(ol, model, opt, x, y)
+            if k == 1 and rank == 0:
+                ol.sync_buffers()  # misuse: rank 1 does not, and waits in the next step's gradient sync
+    except RuntimeError as e:
+        message = str(e)
+    torch.save({"message": message}, f"{out}/rank{rank}.pt")
+
+
+def test_sync_buffers_on_one_rank_only_is_a_clear_error(tmp_path):
+    mp.start_processes(_timeout_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    message = torch.load(tmp_path / "rank0.pt", weights_only=True)["message"]
+    assert message.startswith("rank 0 waited at sync_buffers() (or finish()) after 2 steps and the other ranks did "
+                              "not come: call step(), sync_buffers() and finish() on every rank")
+    assert torch.load(tmp_path / "rank1.pt", weights_only=True)["message"]  # rank 1 fails too, in its step
 
 
 def test_own_model_example_rebalances_under_torchrun(tmp_path):
     out = tmp_path / "example"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "own_model.py"), "--speeds", "3,1", "--epochs", "2", "--out", str(out)]
+           str(ROOT / "examples" / "own_model.py"), "--speeds", "3,1", "--epochs", "2",
+           "--accumulation-steps", "2", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -1,5 +1,8 @@
 """Real multi-process BSP runs (gloo on CPU) through the CLI: equivalence, run dir, emulation.
 
+Equivalence: 1 worker and 3 heterogeneous workers end with the same weights
+(relative < 1e-5), also when the 3 accumulate gradients over 2 micro-batches.
+
 Run: ``python -m pytest -q tests/dist/test_bsp.py`` (about a minute on 2 cores).
 """
 
@@ -31,6 +34,21 @@ def test_one_worker_and_three_heterogeneous_workers_end_with_the_same_weights(tm
     assert batches and all(sum(b) == 256 for b in batches)
     a, b = load_weights(tmp_path / "one"), load_weights(tmp_path / "three")
     assert a.keys() == b.keys()
+    for name in a:
+        rel = (a[name] - b[name]).norm() / a[name].norm()
+        assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
+
+
+def test_three_heterogeneous_workers_accumulating_end_with_one_workers_weights(tmp_path):
+    # accumulation_steps through a config file: TrainConfig has every BalanceConfig field.
+    (tmp_path / "accumulate.toml").write_text("[train]\naccumulation_steps = 2\n")
+    common = ["--global-batch", "256", "--max-steps", "36", "--control-interval", "6", "--seed", "3"]
+    train(tmp_path / "one", "--workers", "1", "--speeds", "1", *common)
+    three = train(tmp_path / "three", "--config", str(tmp_path / "accumulate.toml"), "--workers", "3",
+                  "--speeds", "4,2,1", *common)
+    assert toml_loads((tmp_path / "three" / "config.toml").read_text())["train"]["accumulation_steps"] == 2
+    assert three["rebalances"] >= 1
+    a, b = load_weights(tmp_path / "one"), load_weights(tmp_path / "three")
     for name in a:
         rel = (a[name] - b[name]).norm() / a[name].norm()
         assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"

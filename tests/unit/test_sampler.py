@@ -6,6 +6,10 @@ the samples of a step and their order do not depend on the number of workers
 or on the split; seeded per-epoch permutations; input validation; and the
 sampler used as ``batch_sampler`` of a real ``DataLoader`` (also with worker
 processes and prefetching) with schedule changes registered at runtime.
+Then micro-batches (gradient accumulation), the sampler's place (set_epoch
+forward only, complete, end_epoch, state round trip) and the
+:class:`BalancedLoader`'s iteration rules (peek, break, exhaustion,
+replaced iterators).
 
 Run:  cd /work/main && python -m pytest -q tests/unit/test_sampler.py
 """
@@ -19,7 +23,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
+from omnilearn.data.loader import BalancedLoader
+from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler, micro_sizes
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -285,3 +290,127 @@ def test_sampler_len_and_steps(B, extra, total, epoch):
     assert len(sampler) == len(batches) == expected
     for k, b in enumerate(batches):
         assert b == plan.step_indices(first + k).tolist()
+
+
+# ---------------------------------------------------------------- micro-batches
+
+
+@SETTINGS
+@given(st.integers(1, 500), st.integers(1, 40))
+def test_micro_sizes_are_as_equal_as_possible_and_never_empty(batch, parts):
+    if batch < parts:
+        with pytest.raises(ValueError, match="non-empty"):
+            micro_sizes(batch, parts)
+        return
+    sizes = micro_sizes(batch, parts)
+    assert len(sizes) == parts and sum(sizes) == batch
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    assert list(sizes) == sorted(sizes, reverse=True)
+
+
+@SETTINGS
+@given(st.integers(1, 4), st.data())
+def test_micro_batches_concatenate_to_the_step_slice(k, data):
+    B = data.draw(st.integers(3 * k, 40))
+    plan = GlobalPlan(B * 3 + data.draw(st.integers(0, 5)), B, seed=data.draw(st.integers(0, 99)))
+    batches = data.draw(split(B, 3).filter(lambda b: min(b) >= k))
+    for rank in range(3):
+        sampler = VariableBatchSampler(plan, BatchSchedule(batches), rank, micro_steps=k)
+        lists = list(sampler)
+        assert len(lists) == len(sampler) == plan.steps_per_epoch * k
+        for step in range(plan.steps_per_epoch):
+            parts = lists[step * k : (step + 1) * k]
+            assert [len(p) for p in parts] == list(micro_sizes(batches[rank], k))
+            assert [i for p in parts for i in p] == plan.worker_indices(step, batches, rank)
+
+
+# ---------------------------------------------------------------- the sampler's place
+
+
+def test_set_epoch_moves_forward_only_and_says_so():
+    plan = GlobalPlan(40, 8)  # 5 steps per epoch
+    sampler = VariableBatchSampler(plan, BatchSchedule((8,)), 0)
+    sampler.complete(2)
+    assert (sampler.epoch, sampler.offset) == (0, 3) and sampler.steps() == range(3, 5)
+    sampler.set_epoch(0)  # the current epoch: no change
+    assert sampler.steps() == range(3, 5)
+    sampler.set_epoch(2)
+    assert sampler.steps() == range(10, 15)
+    with pytest.raises(RuntimeError, match=r"set_epoch\(1\).*already at epoch 2"):
+        sampler.set_epoch(1)
+    sampler.complete(14)  # the last step of epoch 2
+    assert (sampler.epoch, sampler.offset) == (3, 0)
+    sampler.complete(11)  # never moves back
+    assert (sampler.epoch, sampler.offset) == (3, 0)
+    sampler.end_epoch(2)
+    assert (sampler.epoch, sampler.offset) == (3, 0)
+    sampler.end_epoch(3)
+    assert (sampler.epoch, sampler.offset) == (4, 0)
+
+
+def test_sampler_and_schedule_state_round_trip():
+    plan = GlobalPlan(50, 10, seed=4)
+    schedule = BatchSchedule((5, 5))
+    sampler = VariableBatchSampler(plan, schedule, 1)
+    sampler.complete(6)
+    schedule.at(6)
+    schedule.change(8, (3, 7))
+    other_schedule = BatchSchedule((5, 5))
+    other = VariableBatchSampler(None, other_schedule, 1)  # the place exists before the dataset
+    other.load_state_dict(sampler.state_dict())
+    other_schedule.load_state_dict(schedule.state_dict())
+    assert other.state_dict() == sampler.state_dict() and other_schedule.state_dict() == schedule.state_dict()
+    other.use_plan(plan)
+    assert list(other) == list(sampler)
+    assert other_schedule.last_read == 9  # reading is not state: it restarts with the new process
+    with pytest.raises(ValueError, match="2 workers loaded into one for 3"):
+        BatchSchedule((1, 1, 1)).load_state_dict(schedule.state_dict())
+
+
+# ---------------------------------------------------------------- BalancedLoader
+
+
+def _balanced(n=30, B=6, k=1, batches=(2, 4), rank=1):
+    plan = GlobalPlan(n, B, seed=2)  # 5 steps per epoch
+    sampler = VariableBatchSampler(plan, BatchSchedule(batches), rank, micro_steps=k)
+    ds = TensorDataset(torch.arange(n))
+    handed: list[tuple[int, bool]] = []
+    loader = BalancedLoader(DataLoader(ds, batch_sampler=sampler), sampler, lambda s, r: handed.append((s, r)), k)
+    return plan, sampler, loader, handed
+
+
+def test_loader_habits_dataset_sampler_len_and_micro_lists():
+    plan, sampler, loader, handed = _balanced(k=2)
+    assert loader.dataset is loader.loader.dataset and loader.sampler is sampler and len(loader) == 5
+    items = list(loader)
+    assert [s for s, _ in handed] == [0, 1, 2, 3, 4]
+    assert all(isinstance(item, list) and len(item) == 2 for item in items)
+    assert [i for (x,) in items[3] for i in x.tolist()] == plan.worker_indices(3, (2, 4), 1)
+    assert loader.epoch == 1  # ran through: the next iteration is the next epoch
+
+
+def test_a_peek_is_served_again_and_a_break_continues_where_reports_ended():
+    plan, sampler, loader, handed = _balanced()
+    (peeked,) = next(iter(loader))
+    it = iter(loader)
+    assert next(it)[0].tolist() == peeked.tolist() == plan.worker_indices(0, (2, 4), 1)
+    assert handed == [(0, False), (0, True)]  # the second hand-out of step 0 restarts
+    sampler.complete(0)
+    next(it)
+    sampler.complete(1)  # steps 0 and 1 reported, then the loop breaks
+    assert [s for s, _ in handed[2:]] == [1]
+    rest = [x.tolist() for (x,) in loader]
+    assert rest == [plan.worker_indices(s, (2, 4), 1) for s in (2, 3, 4)]
+    loader.set_epoch(3)
+    assert next(iter(loader))[0].tolist() == plan.worker_indices(15, (2, 4), 1)
+    with pytest.raises(RuntimeError, match="already at epoch 3"):
+        loader.sampler.set_epoch(2)
+
+
+def test_a_replaced_iterator_refuses_to_go_on():
+    _, _, loader, _ = _balanced()
+    old = iter(loader)
+    next(old)
+    iter(loader)
+    with pytest.raises(RuntimeError, match="replaced by a newer iter"):
+        next(old)

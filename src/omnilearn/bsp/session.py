@@ -2,7 +2,7 @@
 
     import omnilearn
 
-    ol = omnilearn.setup(global_batch=256)       # torchrun's process group, an existing one, or one process
+    ol = omnilearn.setup(local_batch=64)          # or global_batch=...; torchrun's group, an existing one, or none
     model = ol.wrap_model(MyModel())              # DDP; gradients weighted by each worker's batch share
     loader = ol.data_loader(my_dataset)           # this worker's slice of every global batch
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -11,28 +11,46 @@
             x, y = x.to(ol.device), y.to(ol.device)
             loss = loss_fn(model(x), y)           # the mean over this worker's batch
             opt.zero_grad()
-            loss.backward()
+            loss.backward()                       # or ol.backward(loss)
             opt.step()
             ol.step(loss)                         # timings in; every control interval, new batch sizes out
     ol.finish()                                   # summary on rank 0; run directory when out= was given
 
+Gradient accumulation (``accumulation_steps=K``): the global batch is per
+optimizer step; each item of the loader is the list of this worker's K
+micro-batches; call ``ol.backward(loss)`` for each (it weights the
+micro-batch exactly and lets DDP sync only on the last), then
+``opt.step()`` and ``ol.step()`` once::
+
+        for micro_batches in loader:
+            opt.zero_grad()
+            for x, y in micro_batches:
+                ol.backward(loss_fn(model(x), y))
+            opt.step()
+            ol.step()
+
+Token losses with padding: ``ol.backward(loss, count=n_tokens)`` weights by
+terms instead of samples (:mod:`omnilearn.bsp.micro`). ``model.no_sync()``
+is refused (:mod:`omnilearn.bsp.wrap`).
+
 Run it with ``torchrun --nproc-per-node N script.py`` or as one process.
-Each iteration of the loader starts the step's clock; ``step()`` ends it.
-Every ``control_interval`` steps one all-gather brings every worker's
-timings to every rank, each runs the same controller and registers the same
-batch change for the same future step. ``omnilearn train`` uses this class.
+``wrap_model`` seeds each rank's random streams with ``(seed, rank)``
+afterwards (dropout and augmentation differ per rank; :mod:`omnilearn.bsp.rng`).
+A step's clock starts when its batch is handed out, or when the previous
+step is reported if the loop fetched ahead; ``step()`` ends it. Every
+``control_interval`` steps one all-gather of ``n x 7`` numbers feeds the same
+:class:`~omnilearn.balance.loop.ControlLoop` on every rank, and the
+interval's per-step rows go to rank 0 only (:mod:`omnilearn.bsp.interval`).
+``state_dict()`` / ``load_state_dict()`` hold everything but the user's
+model and optimizer. ``omnilearn train`` uses this class.
+
+Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.py``
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import sys
-import time
-import zlib
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -40,46 +58,29 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from omnilearn.balance.allocation import Bounds
-from omnilearn.config import BalanceConfig, ConfigError, dump_toml
-from omnilearn.balance.controllers import Observation, make_controller
-from omnilearn.distributed import group
-from omnilearn.distributed.collect import average_buffers, gather_rows, same_everywhere
-from omnilearn.distributed.hooks import HookState, weighted_allreduce_hook
-from omnilearn.emulation.delay import DelayEmulator
-from omnilearn.observe.rundir import prepare
-from omnilearn.runplan import RunPlan, plan_run
-from omnilearn.timing import StepTimer
+from omnilearn.balance.controllers import make_controller
+from omnilearn.balance.loop import ControlLoop
+from omnilearn.bsp.interval import SYNC_BUFFERS, check_same_settings, end_window, meet
+from omnilearn.bsp.emulate import Emulation
+from omnilearn.bsp.micro import MicroSteps
+from omnilearn.bsp.rng import load_rng_state, rng_state, seed_rank
+from omnilearn.bsp.steps import ROW_FIELDS, StepLedger, TrainClock
+from omnilearn.bsp.wrap import wrap
+from omnilearn.config import BalanceConfig, ConfigError
 from omnilearn.data.loader import BalancedLoader, keep_batch
 from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
-from omnilearn.emulation.speeds import slowdown
+from omnilearn.distributed import group
+from omnilearn.distributed.collect import average_buffers, gather_to_main, sum_tensor
+from omnilearn.distributed.hooks import HookState
 from omnilearn.observe.recorder import Telemetry
-from omnilearn.emulation.throttle import for_run
+from omnilearn.runplan import RunPlan, initial_speeds, plan_run
+from omnilearn.timing import StepTimer
 
-# Buffers are averaged by the session, not copied from rank 0 every forward (the flag's name changed in torch 2.13).
-_NO_BUFFER_BROADCAST = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                        else {"broadcast_buffers": False})
-HISTORY_INTERVALS = 10  # the controller sees at most this many intervals since the last change
-FIELDS = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "lr")
-
-
-def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None, **settings: Any) -> "Session":
-    """Join the process group (existing, torchrun's, or none) and start balancing.
-
-    ``settings`` are :class:`~omnilearn.config.BalanceConfig` fields
-    (``global_batch``, ``controller``, ``speeds``, ``min_batch``, ``out`` ...).
-    ``total_steps`` bounds the run (needed for ``speed_schedule="paper"``).
-    """
-    cfg = dataclasses.replace(config, **settings) if config is not None else BalanceConfig(**settings)
-    ctx = group.join(cfg.device, cfg.timeout_s)
-    if cfg.workers is not None and cfg.workers != ctx.world_size:
-        raise ConfigError(f"workers={cfg.workers} but the process group has {ctx.world_size}; drop workers")
-    cfg = dataclasses.replace(cfg, workers=ctx.world_size)
-    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if cfg.out is not None and ctx.is_main else None
-    return Session(cfg, ctx, run_dir, total_steps)
+STATE_FORMAT = 1
 
 
 class Session:
-    """One rank's view of a balanced run: wraps the model, serves the batches, runs the controller."""
+    """One rank's view of a balanced run: wraps the model, serves the batches, runs the control loop."""
 
     def __init__(self, cfg: BalanceConfig, ctx: group.DistContext, run_dir: Path | None = None,
                  total_steps: int | None = None) -> None:
@@ -88,40 +89,32 @@ class Session:
         if total_steps is not None and total_steps < 1:
             raise ConfigError(f"total_steps={total_steps} must be at least 1")
         self.cfg, self.ctx, self.run_dir, self.total_steps = cfg, ctx, run_dir, total_steps
-        bad = same_everywhere(ctx, zlib.crc32(dump_toml(cfg).encode()))  # before any other collective
-        if bad:
-            raise RuntimeError(f"ranks {bad} were started with a different config than rank 0; launch all ranks alike")
+        check_same_settings(ctx, cfg, total_steps)  # before any other collective
         self.timer = StepTimer(ctx.device)
-        self.emulator = DelayEmulator(self.timer)
+        self.emulation = Emulation(cfg, ctx, self.timer)
+        self.emulator = self.emulation.delay
         self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced)
-        self._pending: list[list] = []  # this rank's steps whose times the timer has not resolved yet
+        bounds = Bounds(cfg.global_batch, ctx.world_size, cfg.min_batch, cfg.max_batch)
+        controller = make_controller(cfg.controller, bounds, initial_speeds(cfg, total_steps), cfg.deadband)
+        self.loop = ControlLoop(controller, deadband=cfg.deadband, total_steps=total_steps)
+        self.schedule = BatchSchedule(self.loop.batches)
+        self.sampler = VariableBatchSampler(None, self.schedule, ctx.rank, total_steps, cfg.accumulation_steps)
+        self.ledger = StepLedger(self.timer, self._start_step)
+        self.micro = MicroSteps(cfg.accumulation_steps, cfg.global_batch, self.hook, self._sum_counts,
+                                lambda: self.emulator.before_sync())
+        self.steps_done = self.next_step = 0
         self.model: nn.Module | None = None
         self.loader: BalancedLoader | None = None
         self.run: RunPlan | None = None
         self.telemetry: Telemetry | None = None
-        self.throttle = for_run(cfg, ctx.rank, ctx.local_rank, ctx.local_world_size)
-        self.window: list[list[float]] = []  # this rank's rows of the current interval
-        self.history: list[list[tuple[int, float]]] = [[] for _ in range(ctx.world_size)]  # since last change
-        self._next_step, self._open_step = 0, None
-        self._start_s: float | None = None
-        self._paused_s = 0.0
-        self._applied_speeds: tuple[float, ...] | None = None
+        self.clock = TrainClock()
+        self._rng_restored = False
 
-    @property
-    def device(self) -> torch.device:
-        return self.ctx.device
-
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
-    def is_main(self) -> bool:
-        return self.ctx.is_main
+    device = property(lambda self: self.ctx.device)
+    rank = property(lambda self: self.ctx.rank)
+    world_size = property(lambda self: self.ctx.world_size)
+    is_main = property(lambda self: self.ctx.is_main)
+    global_batch = property(lambda self: self.cfg.global_batch)
 
     @property
     def module(self) -> nn.Module | None:
@@ -131,171 +124,175 @@ class Session:
     @property
     def batches(self) -> tuple[int, ...]:
         """Every worker's batch for the next step, as planned so far."""
-        return self._schedule().peek(self._next_step)
+        return self.schedule.peek(max(self.next_step, self.ledger.last_started + 1))
 
     def wrap_model(self, model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
         """Move ``model`` to this rank's device and wrap it in DDP with the weighted gradient hook.
 
-        BatchNorm running statistics are not broadcast by DDP here: they are
-        averaged across workers, weighted by batch share, every control
-        interval and in :meth:`finish` (call :meth:`sync_buffers` before
-        evaluating mid-interval). One process alone gets its model back unwrapped.
+        Then each rank's random streams (torch, numpy, ``random``) are seeded
+        with ``(seed, rank)``: build the model before (DDP gives every rank
+        rank 0's weights), and dropout masks differ per rank after. BatchNorm
+        running statistics are not broadcast by DDP: they are averaged across
+        workers, weighted by batch share, every control interval and in
+        :meth:`finish` (:meth:`sync_buffers` on every rank before evaluating
+        mid-interval). One process alone gets its model back unwrapped.
         """
         if self.model is not None:
             raise RuntimeError("wrap_model() was already called: one model per session")
-        model = model.to(self.device)
-        if self.ctx.grouped:
-            ids = [self.device] if self.device.type == "cuda" else None
-            model = DDP(model, device_ids=ids, **{**_NO_BUFFER_BROADCAST, **ddp_kwargs})
-            self.hook.process_group = model.process_group
-            model.register_comm_hook(self.hook, weighted_allreduce_hook)
-        self.model = model
-        return model
+        self.model = self.micro.model = wrap(model, self.device, self.ctx.grouped, self.hook, **ddp_kwargs)
+        if not self._rng_restored:
+            seed_rank(self.cfg.seed, self.rank)
+        return self.model
 
     def data_loader(self, dataset, *, num_workers: int = 0, collate_fn=None, pin_memory: bool | None = None,
-                    prefetch_factor: int | None = None) -> "BalancedLoader":
+                    prefetch_factor: int | None = None) -> BalancedLoader:
         """A loader over any map-style ``dataset``: each step, this rank's share of the global batch."""
         if self.loader is not None:
             raise RuntimeError("data_loader() was already called: one training loader per session")
         prefetch = (prefetch_factor or 2) if num_workers > 0 else 0
         self.run = plan_run(self.cfg, len(dataset), self.total_steps, num_workers * prefetch)
-        bounds = Bounds(self.cfg.global_batch, self.world_size, self.cfg.min_batch, self.cfg.max_batch)
-        self.controller = make_controller(self.cfg.controller, bounds, self.run.speeds.at(0), self.cfg.deadband)
-        self.schedule = BatchSchedule(tuple(self.controller.initial()))
-        plan = GlobalPlan(len(dataset), self.cfg.global_batch, self.cfg.seed)
-        sampler = VariableBatchSampler(plan, self.schedule, self.rank, self.run.total_steps)
+        self.loop.lag = self.run.lag
+        self.sampler.use_plan(GlobalPlan(len(dataset), self.cfg.global_batch, self.cfg.seed))
         if collate_fn is None and getattr(dataset, "returns_batches", False):
             collate_fn = keep_batch
         loader = DataLoader(
-            dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
+            dataset, batch_sampler=self.sampler, collate_fn=collate_fn, num_workers=num_workers,
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
         )
         if self.is_main:
             self.telemetry = Telemetry(self.cfg, self.run, self.run_dir)
-        self.loader = BalancedLoader(loader, sampler, self._begin)
+        self.loader = BalancedLoader(loader, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
         return self.loader
 
-    def _schedule(self) -> BatchSchedule:
-        if self.loader is None:
-            raise RuntimeError("call data_loader() first: batch sizes are planned per dataset")
-        return self.schedule
-
-    def _begin(self, step: int) -> None:
-        """The loader is about to fetch ``step``'s batch: start its clock (and emulate its speed)."""
-        if self._open_step is not None:
-            raise RuntimeError(f"step {self._open_step} was never reported: call step() once per batch, "
-                               "after optimizer.step()")
-        if step < self._next_step:
-            raise RuntimeError(f"step {step} comes after step {self._next_step - 1}: epochs must move forward")
-        self._open_step, self._next_step = step, step + 1
-        if self._start_s is None:
-            self._start_s = time.perf_counter()
+    def _start_step(self, step: int) -> None:
+        """``step``'s clock is about to start: its speed emulation, weight and micro-batches."""
+        self.clock.start()
         speeds = self.run.speeds.at(step)
-        if speeds != self._applied_speeds:
-            self._applied_speeds = speeds
-            if self.throttle is not None:
-                self.throttle.apply(speeds)
-            if self.telemetry is not None:
-                self.telemetry.speeds(step, speeds)
-        self.emulator.set_slowdown(slowdown(speeds, self.rank) if self.cfg.emulator == "delay" else 1.0)
-        self.hook.weight = self.schedule.at(step)[self.rank] / self.cfg.global_batch
-        self.timer.begin()
+        if self.emulation.at_step(speeds) and self.telemetry is not None:
+            self.telemetry.speeds(step, speeds)
+        self.micro.begin(self.schedule.at(step)[self.rank])
 
     def _local_grads_ready(self) -> None:
         """The hook's ready callback: this step's local compute is done; a slower machine is emulated here."""
         self.emulator.before_sync()
         self.timer.mark_ready()
 
+    def _sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        return sum_tensor(self.ctx, counts.to(self.device), self.hook.process_group)
+
+    def backward(self, loss: torch.Tensor, count: int | float | torch.Tensor | None = None) -> None:
+        """``loss.backward()`` for one micro-batch, weighted exactly (``count``: loss terms, e.g. tokens)."""
+        if self.ledger.open is None:
+            raise RuntimeError("backward() without a batch: call it for a batch the loader handed out")
+        self.micro.backward(loss, count)
+
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None) -> None:
-        """Report the end of this rank's step (after ``optimizer.step()``); ``loss`` and ``lr`` are logged."""
-        step = self._open_step
-        if step is None:
+        """Report the end of this rank's step (after ``optimizer.step()``); ``loss`` and ``lr`` are logged.
+
+        The logged loss is the step's own when ``backward()`` was used, else ``loss``.
+        """
+        if self.ledger.open is None:
             raise RuntimeError("step() without a batch: iterate the loader from data_loader() and call step() "
                                "once per batch")
-        self.timer.end()
-        loss_value = float("nan") if loss is None else loss.detach() if torch.is_tensor(loss) else float(loss)
-        self._pending.append([step, self.schedule.at(step)[self.rank], loss_value, float("nan") if lr is None else lr])
-        self._open_step = None
-        if len(self._pending) == self.cfg.control_interval or step + 1 == self.run.total_steps:
+        logged = self.micro.finish()
+        if logged is None and loss is not None:
+            logged = loss.detach() if torch.is_tensor(loss) else float(loss)
+        batch = self.schedule.at(self.ledger.open)[self.rank]
+        step = self.ledger.report(batch, float("nan") if logged is None else logged, float("nan") if lr is None else lr)
+        self.sampler.complete(step)
+        self.steps_done, self.next_step = self.steps_done + 1, step + 1
+        if self.ledger.window_size() == self.cfg.control_interval or step + 1 == self.run.total_steps:
             self._end_interval(step)
-
-    def _resolve_window(self) -> None:
-        """Turn the pending steps into window rows (one device wait on CUDA, none per step)."""
-        for (step, batch, loss, lr), t in zip(self._pending, self.timer.collect()):
-            loss = float(loss) if torch.is_tensor(loss) else loss
-            self.window.append([step, batch, t.compute_s, t.wait_s, t.step_s, loss, t.delay_s, lr])
-        self._pending.clear()
+        self.clock.step_ended()
+        self.ledger.start_next()
 
     def _end_interval(self, step: int) -> None:
-        self._resolve_window()
-        table = gather_rows(self.ctx, self.window, len(FIELDS))
-        self.window.clear()
-        keep = HISTORY_INTERVALS * self.cfg.control_interval
-        for past, rows in zip(self.history, table):
-            past.extend((int(r[1]), r[2]) for r in rows)
-            del past[:-keep]
-        obs = Observation(step, self.schedule.at(step), tuple(map(tuple, self.history)), recent=len(table[0]))
-        decision = self.controller.decide(obs)
-        effective = step + 1 + self.run.lag
-        if decision.changed and (self.run.total_steps is None or effective < self.run.total_steps):
-            self.schedule.change(effective, decision.new)
-            self.history = [[] for _ in self.history]
-        self.sync_buffers()
+        rows = self.ledger.take_rows()
+        decision = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows)
+        table = gather_to_main(self.ctx, rows, len(ROW_FIELDS))
+        self._average_buffers()
         if self.telemetry is not None:
-            self.telemetry.interval(table, decision, effective)
+            effective = decision.effective_step
+            self.telemetry.interval(table, decision, step + 1 + self.run.lag if effective is None else effective)
 
     def sync_buffers(self) -> None:
-        """Make buffers (BatchNorm statistics) equal everywhere: their batch-share-weighted average."""
+        """Make buffers (BatchNorm statistics) equal everywhere: their batch-share-weighted average.
+
+        A collective: call it on every rank at the same point. Met by another
+        rank's interval end or ``finish()``, every rank raises at once; a rank
+        that never comes (waiting in a training step) leaves this one waiting
+        until the process group's timeout, then it raises saying so.
+        """
         if self.model is None or not self.ctx.grouped:
             return
-        if self.loader is None:
-            weight = 1.0 / self.world_size
-        else:  # the shares of the last step begun (the first before any): they sum to 1 over the ranks
-            weight = self.schedule.peek(max(self._next_step - 1, 0))[self.rank] / self.cfg.global_batch
+        meet(self.ctx, SYNC_BUFFERS, self.steps_done)
+        self._average_buffers()
+
+    def _average_buffers(self) -> None:
+        if self.model is None or not self.ctx.grouped:
+            return
+        # the shares of the last step begun (the first before any): they sum to 1 over the ranks
+        weight = self.schedule.peek(max(self.ledger.last_started, 0))[self.rank] / self.cfg.global_batch
         average_buffers(self.ctx, list(self.model.buffers()), weight)
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Time inside (evaluation, checkpoints) is left out of the training time in the summary."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._paused_s += time.perf_counter() - start
+    def paused(self) -> ContextManager[None]:
+        """``with ol.paused():`` time inside (evaluation, checkpoints) is left out of the training time."""
+        return self.clock.paused()
 
     def train_time_s(self) -> float:
-        return 0.0 if self._start_s is None else time.perf_counter() - self._start_s - self._paused_s
+        return self.clock.train_s()
 
     def log_eval(self, loss: float, accuracy: float | None = None, epoch: int | None = None) -> None:
         """Record a test evaluation (rank 0 writes it; call on every rank with the same numbers)."""
         if self.telemetry is not None:
-            self.telemetry.evaluation(epoch, self._next_step, self.train_time_s(), loss, accuracy)
+            self.telemetry.evaluation(epoch, self.next_step, self.train_time_s(), loss, accuracy)
 
     def finish(self) -> dict | None:
         """Flush the last interval, equalise buffers, write the summary (rank 0's dict; None elsewhere)."""
         try:
-            if self._pending:
-                self._end_interval(int(self._pending[-1][0]))
+            if self.ledger.window_size():
+                self._end_interval(self.ledger.last_reported)
             self.sync_buffers()
-            wall_s = 0.0 if self._start_s is None else time.perf_counter() - self._start_s
-            if self.telemetry is None or not self.telemetry.rows:
+            recorded = getattr(self.telemetry, "steps_recorded", len(getattr(self.telemetry, "rows", [])))
+            if self.telemetry is None or not recorded:
                 return None
-            return self.telemetry.finish(wall_s, wall_s - self._paused_s, self.module)
+            return self.telemetry.finish(self.clock.wall_s(), self.clock.train_s(), self.module)
         finally:
             self.release()
 
+    def state_dict(self) -> dict:
+        """Everything but the user's model and optimizer, as plain values and tensors (a ``Stateful``).
+
+        Rank-specific parts (random streams, this interval's rows) sit under ``rank<r>``.
+        """
+        mine = {"rng": rng_state(self.device), "window": [list(r) for r in self.ledger.rows()]}
+        return {"format": STATE_FORMAT, "world_size": self.world_size, "global_batch": self.cfg.global_batch,
+                "steps_done": self.steps_done, "next_step": self.next_step, "train_s": self.clock.at_last_step_s,
+                "loop": self.loop.state_dict(), "schedule": self.schedule.state_dict(),
+                "sampler": self.sampler.state_dict(), f"rank{self.rank}": mine}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (same worker count and global batch; call before training on)."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"session state format {state.get('format')!r}; this version reads {STATE_FORMAT}")
+        for key in ("world_size", "global_batch"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"session state of {key} {state[key]} loaded into a session of {getattr(self, key)}")
+        self.loop.load_state_dict(state["loop"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.steps_done, self.next_step = int(state["steps_done"]), int(state["next_step"])
+        self.clock.restore(float(state["train_s"]))
+        mine = state.get(f"rank{self.rank}")
+        if mine is not None:
+            load_rng_state(mine["rng"], self.device)
+            self._rng_restored = True
+            self.ledger.resolved = [[float(v) for v in r] for r in mine["window"]]
+
     def release(self) -> None:
         """Give back OS throttles (idempotent); never hides the run's own outcome."""
-        if self.throttle is None:
-            return
-        from omnilearn.emulation.throttle import ThrottleError
-
-        throttle, self.throttle = self.throttle, None
-        try:
-            throttle.close()
-        except ThrottleError as e:
-            print(f"omnilearn: warning: rank {self.rank}: {e}", file=sys.stderr)
+        self.emulation.release()
 
     def close(self) -> None:
         """Leave the process group (whoever created it), after every rank got here.

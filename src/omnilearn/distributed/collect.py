@@ -1,11 +1,18 @@
-"""Small collectives the trainer needs besides DDP's gradient all-reduce.
+"""Small collectives the session needs besides DDP's gradient all-reduce.
 
-One ``all_gather`` per control interval carries every worker's per-step
-measurements to every rank (the controller runs identically everywhere, and
-rank 0 writes them out), so there is no extra message per step.
+Per control interval: one :func:`all_gather_row` of a few numbers per rank
+(every rank runs the same control loop on the same table), and one
+:func:`gather_to_main` that brings the interval's per-step rows to rank 0
+only (the recorder's), so no rank receives what it does not use and the
+traffic per rank does not grow with the run. One process alone (no group)
+gets its own data back.
+
+Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_hooks.py``
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,22 +20,40 @@ import torch.distributed as dist
 from omnilearn.distributed.group import DistContext
 
 
-def gather_rows(ctx: DistContext, rows: list[list[float]], width: int) -> list[list[list[float]]]:
-    """All-gather a ``[k, width]`` table from every rank (same ``k`` everywhere)."""
+def all_gather_row(ctx: DistContext, row: Sequence[float], group=None) -> list[list[float]]:
+    """Every rank's ``row`` (same length everywhere), in rank order."""
     if not ctx.grouped:
-        return [[list(map(float, r)) for r in rows]]
+        return [[float(v) for v in row]]
+    mine = torch.tensor([float(v) for v in row], dtype=torch.float64, device=ctx.device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return torch.stack(parts).cpu().tolist()
+
+
+def gather_to_main(ctx: DistContext, rows: list[list[float]], width: int) -> list[list[list[float]]] | None:
+    """Rank 0 gets every rank's ``[k, width]`` table (same ``k`` everywhere); other ranks get None."""
+    if not ctx.grouped:
+        return [[[float(v) for v in r] for r in rows]]
     local = torch.tensor(rows, dtype=torch.float64, device=ctx.device).reshape(len(rows), width)
-    parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, local)
-    return [p.cpu().tolist() for p in parts]
+    parts = [torch.empty_like(local) for _ in range(ctx.world_size)] if ctx.is_main else None
+    dist.gather(local, parts, dst=0)
+    return [p.cpu().tolist() for p in parts] if parts is not None else None
 
 
-def sum_across(ctx: DistContext, values: list[float]) -> list[float]:
+def sum_across(ctx: DistContext, values: list[float], group=None) -> list[float]:
+    """Element-wise sum over the ranks of ``group`` (default: all)."""
     if not ctx.grouped:
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.cpu().tolist()
+
+
+def sum_tensor(ctx: DistContext, t: torch.Tensor, group=None) -> torch.Tensor:
+    """``t`` summed in place over the ranks of ``group`` (default: all), on its device: no host sync."""
+    if ctx.grouped:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
 
 
 def average_buffers(ctx: DistContext, buffers: list[torch.Tensor], weight: float) -> None:
@@ -42,12 +67,16 @@ def average_buffers(ctx: DistContext, buffers: list[torch.Tensor], weight: float
         b.copy_(part.view_as(b))
 
 
-def same_everywhere(ctx: DistContext, fingerprint: int) -> list[int]:
-    """Ranks whose ``fingerprint`` differs from rank 0's (empty when all agree)."""
+def disagreements(ctx: DistContext, values: Sequence[int]) -> dict[int, list[int]]:
+    """Per rank whose ``values`` differ from rank 0's: the positions that differ (empty when all agree).
+
+    Every rank must pass the same number of values.
+    """
     if not ctx.grouped:
-        return []
-    mine = torch.tensor([fingerprint], dtype=torch.int64, device=ctx.device)
+        return {}
+    mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=ctx.device)
     parts = [torch.empty_like(mine) for _ in range(ctx.world_size)]
     dist.all_gather(parts, mine)
-    values = [int(p.item()) for p in parts]
-    return [r for r, v in enumerate(values) if v != values[0]]
+    table = torch.stack(parts).cpu()
+    return {r: [i for i in range(len(values)) if table[r, i] != table[0, i]]
+            for r in range(1, ctx.world_size) if not torch.equal(table[r], table[0])}

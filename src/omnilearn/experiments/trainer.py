@@ -2,21 +2,24 @@
 
 Per rank: load the workload (``workload.py``), open a :class:`Session`, and
 run the loop any user of the API would write — the session's loader serves
-this rank's slice of each global batch and times the step, ``step()`` ends
-it and feeds the controller. One evaluation over the test split per epoch.
+this rank's slice of each global batch (as ``accumulation_steps``
+micro-batches when that is above 1), ``backward()`` weights each
+micro-batch, ``step()`` ends the optimizer step and feeds the controller.
+One evaluation over the test split per epoch.
+
+Run: ``python -m pytest -q tests/dist/test_bsp.py``
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from omnilearn.experiments.datasets import core as data
-
+from omnilearn.bsp.session import Session
+from omnilearn.distributed.group import DistContext
 from omnilearn.experiments import workload
 from omnilearn.experiments.config import TrainConfig
-from omnilearn.distributed.group import DistContext
+from omnilearn.experiments.datasets import core as data
 from omnilearn.experiments.workload import PREFETCH_FACTOR, resolve
-from omnilearn.bsp.session import Session
 
 
 class BSPTrainer:
@@ -38,8 +41,8 @@ class BSPTrainer:
         try:
             for epoch in range(self.run.epochs):
                 self.loader.set_epoch(epoch)
-                for x, y in self.loader:
-                    self._step(x, y)
+                for batch in self.loader:
+                    self._step(batch if self.cfg.accumulation_steps > 1 else [batch])
                 with self.session.paused():
                     self.session.sync_buffers()
                     loss, accuracy = workload.evaluate(self.session.module, self.test, self.ctx)
@@ -48,12 +51,12 @@ class BSPTrainer:
         finally:
             self.session.release()
 
-    def _step(self, x, y) -> None:
-        x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
-        loss = workload.criterion(self.model(x), y)
+    def _step(self, micro_batches: list) -> None:
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for x, y in micro_batches:
+            x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+            self.session.backward(workload.criterion(self.model(x), y))
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.lr_sched.step()
-        self.session.step(loss, lr)
+        self.session.step(lr=lr)

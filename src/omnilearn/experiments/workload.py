@@ -42,7 +42,12 @@ def load_data(cfg: TrainConfig) -> data.Splits:
 
 
 def build_model(cfg: TrainConfig, splits: data.Splits) -> nn.Module:
-    """The model of ``cfg`` for this data, seeded so every rank starts from the same weights."""
+    """The model of ``cfg`` for this data, seeded with ``--seed`` so every rank starts from the same weights.
+
+    Every rank draws the same numbers from here on; the session reseeds each
+    rank with ``(seed, rank)`` when it wraps the model, so dropout masks and
+    augmentations differ between ranks during training.
+    """
     torch.manual_seed(cfg.seed)
     try:
         return models.build(cfg.model, splits.input_shape, splits.num_classes)
@@ -99,7 +104,7 @@ def evaluate(model: nn.Module, test, ctx: DistContext) -> tuple[float, float]:
 
 
 def resolve(cfg: TrainConfig, dataset_len: int) -> RunPlan:
-    """The CLI's plan: ``--epochs`` or ``--max-steps``, prefetch from ``--loader-workers``."""
+    """The CLI's plan: ``--epochs`` or ``--max-steps``, prefetch from ``--loader-workers`` (in index lists)."""
     spe = max(1, dataset_len // cfg.global_batch)
     total = spe * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, spe * cfg.epochs)
     return plan_run(cfg, dataset_len, total, cfg.loader_workers * PREFETCH_FACTOR, f"{cfg.dataset} training set")

@@ -1,0 +1,99 @@
+"""Where ranks meet: the end of a control interval, and the check that all ranks are at the same point.
+
+Every collective of the session starts with :func:`meet`: one all-gather of
+a short row per rank, ``[kind, steps_done, last step sampled, *window]``.
+All ranks must be at the same kind of point after the same number of steps;
+if one rank calls ``sync_buffers()`` while another ends a control interval,
+every rank that meets raises the same clear error instead of pairing
+unrelated collectives.
+
+At a control interval the row carries this rank's
+:func:`~omnilearn.balance.loop.window_row` (its ``compute_s`` at its current
+planned batch), so the same all-gather (``n x 7`` numbers, whatever the
+interval's length) feeds the :class:`~omnilearn.balance.loop.ControlLoop` on
+every rank and all reach the same decision. A change lands at the loop's
+effective step, or later if some rank already sampled that step (a loop or
+a ``DataLoader`` that fetches ahead): the first step no rank has sampled.
+
+Before any of this, :func:`check_same_settings` compares the settings all
+ranks must share (:func:`~omnilearn.config.shared_settings`: not paths, not
+the device) and names the ones that differ.
+
+Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_bsp.py``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from typing import Sequence
+
+from omnilearn.balance.controllers import Decision
+from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop, window_row
+from omnilearn.config import BalanceConfig, shared_settings
+from omnilearn.data.plan import BatchSchedule
+from omnilearn.distributed.collect import all_gather_row, disagreements
+from omnilearn.distributed.group import DistContext
+
+INTERVAL, SYNC_BUFFERS = 1, 2
+POINTS = {INTERVAL: "the end of a control interval", SYNC_BUFFERS: "sync_buffers() (or finish())"}
+HEADER = 3  # kind, steps done, last step sampled
+SETTINGS_SLOTS = 128  # fingerprints compared at start: one for the names, one per setting (the rest folded)
+
+
+def check_same_settings(ctx: DistContext, cfg: BalanceConfig, total_steps: int | None) -> None:
+    """Raise on every rank unless all ranks share :func:`~omnilearn.config.shared_settings` and ``total_steps``."""
+    shared = {**shared_settings(cfg), "total_steps": total_steps}
+    names = sorted(shared)
+    crc = [zlib.crc32(json.dumps(shared[k], sort_keys=True).encode()) for k in names]
+    values = [zlib.crc32(json.dumps(names).encode()), *crc[: SETTINGS_SLOTS - 2],
+              zlib.crc32(json.dumps(crc[SETTINGS_SLOTS - 2 :]).encode())]
+    values += [0] * (SETTINGS_SLOTS - len(values))
+    bad = disagreements(ctx, values)
+    if not bad:
+        return
+    said = "; ".join(f"rank {r}: " + ("another set of settings" if 0 in pos else
+                                      ", ".join(names[i - 1] if i < SETTINGS_SLOTS - 1 else "others" for i in pos))
+                     for r, pos in bad.items())
+    raise RuntimeError(f"ranks were started with settings other than rank 0's ({said}); launch every rank alike "
+                       "(paths, the device and console settings may differ)")
+
+
+def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
+         window: Sequence[float] = (0.0,) * WINDOW_FIELDS) -> list[list[float]]:
+    """All ranks' rows; raises on every rank if they are not at the same point.
+
+    A rank that never comes (it skipped the call and waits in a training
+    step's gradient sync instead) leaves this rank waiting until the process
+    group's timeout; the error then says so.
+    """
+    try:
+        table = all_gather_row(ctx, [kind, steps_done, last_read, *window])
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {ctx.rank} waited at {POINTS.get(kind, kind)} after {steps_done} steps and the "
+                           f"other ranks did not come: call step(), sync_buffers() and finish() on every rank at the "
+                           f"same points of the loop ({str(e).splitlines()[0][:200]})") from e
+    where = [(int(row[0]), int(row[1])) for row in table]
+    if len(set(where)) > 1:
+        groups: dict[tuple[int, int], list[int]] = {}
+        for rank, w in enumerate(where):
+            groups.setdefault(w, []).append(rank)
+        said = "; ".join(f"ranks {ranks} at {POINTS.get(k, k)} after {s} steps" for (k, s), ranks in groups.items())
+        raise RuntimeError(f"ranks are out of step: {said}. Call step(), sync_buffers() and finish() on every rank "
+                           "at the same points of the loop")
+    return table
+
+
+def end_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
+               rows: list[list[float]]) -> Decision:
+    """Feed this interval to the loop on every rank; register a change in ``schedule``. ``rows``: this rank's."""
+    batch = loop.batches[ctx.rank]
+    mine = window_row(batch, [r[2] for r in rows if int(r[1]) == batch])
+    table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine)
+    decision = loop.update(step, [row[HEADER:] for row in table])
+    if not decision.changed:
+        return decision
+    first = max(decision.effective_step, 1 + max(int(row[2]) for row in table))
+    schedule.change(first, decision.new)
+    return dataclasses.replace(decision, effective_step=first)

@@ -1,0 +1,121 @@
+"""``ol.backward(loss, count=None)``: gradient accumulation and loss weighting, exact.
+
+The global batch ``B`` is per optimizer step. Worker ``i`` trains its share
+``b_i`` as ``k = accumulation_steps`` micro-batches of ``m_ij`` samples
+(:func:`~omnilearn.data.plan.micro_sizes`); the loader hands out the ``k``
+micro-batches of a step together, and the user calls ``ol.backward(loss)``
+once per micro-batch, then ``optimizer.step()`` and ``ol.step()``.
+
+Sample weighting (default): micro-batch ``j``'s mean loss is scaled by
+``m_ij / b_i`` and the comm hook weights the worker's sum by ``b_i / B``, so
+the update is ``sum_ij (m_ij / B) g_ij``, the gradient of the mean loss over
+the global batch, whatever the split, the plan or ``k``.
+
+Count weighting (``count=``, e.g. the non-padding tokens a token loss
+averages over): the mean over a micro-batch's terms is scaled by
+``n_ij / c_i`` (``c_i = k * max(n_i0, 1)``, any positive constant works; this
+one keeps the scale near ``1 / k``); at the last micro-batch one all-reduce
+sums ``N = sum_ij n_ij`` over DDP's group and the hook weights by
+``c_i / N``: the update is the mean over every term of the global batch.
+The counts stay on the device (no host sync). Use it on every rank at the
+same steps (the all-reduce is a collective); a micro-batch with count 0
+must still have a finite loss.
+
+DDP decides at *forward* time whether the next backward syncs, so the
+session sets ``require_backward_grad_sync`` before each micro-batch's
+forward: off after a step starts (k > 1), on once ``k - 1`` backwards are
+done. After each non-syncing backward the delay emulator may sleep (a slow
+worker is slow on every micro-batch); the syncing one sleeps in the hook.
+
+Run: ``python -m pytest -q tests/dist/test_accumulation.py``
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from omnilearn.data.plan import micro_sizes
+from omnilearn.distributed.hooks import HookState
+
+
+class MicroSteps:
+    """The micro-batches of the open step: how many were back-propagated and with which scale."""
+
+    def __init__(self, steps: int, global_batch: int, hook: HookState,
+                 sum_counts: Callable[[torch.Tensor], torch.Tensor],
+                 after_local_backward: Callable[[], object]) -> None:
+        self.steps, self.global_batch, self.hook = steps, global_batch, hook
+        self.sum_counts = sum_counts  # all-reduce over DDP's group (identity for one process)
+        self.after_local_backward = after_local_backward  # the delay emulator
+        self.model: nn.Module | None = None
+        self.begin(global_batch)
+
+    def begin(self, batch: int) -> None:
+        """A step with this worker's share ``batch`` starts."""
+        self.batch, self.sizes, self.done = batch, micro_sizes(batch, self.steps), 0
+        self.counts: list[torch.Tensor] | None = None
+        self.base: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None
+        self.hook.weight = batch / self.global_batch
+        self._sync_next_forward(self.steps == 1)
+
+    def _sync_next_forward(self, sync: bool) -> None:
+        if isinstance(self.model, DDP):
+            self.model.require_backward_grad_sync = sync
+
+    def backward(self, loss: torch.Tensor, count: int | float | torch.Tensor | None = None) -> None:
+        """Back-propagate micro-batch ``done``'s mean ``loss`` with its weight (see the module docstring)."""
+        j, k = self.done, self.steps
+        if j >= k:
+            raise RuntimeError(f"ol.backward() called {j + 1} times in one step, but accumulation_steps={k}: one "
+                               f"call per micro-batch, then optimizer.step() and ol.step()")
+        last = j == k - 1
+        if count is None and self.counts is None:
+            scale: float | torch.Tensor = self.sizes[j] / self.batch
+        else:
+            scale = self._count_scale(j, count, loss, last)
+        (loss if isinstance(scale, float) and scale == 1.0 else loss * scale).backward()
+        if self.counts is not None and last and not isinstance(self.model, DDP):
+            self._rescale_local_grads()
+        self.done += 1
+        part = loss.detach() * (scale if self.counts is None else self.counts[-1])
+        self.loss = part if self.loss is None else self.loss + part
+        if not last:
+            self.after_local_backward()
+            if j + 1 == k - 1:
+                self._sync_next_forward(True)
+
+    def _count_scale(self, j: int, count, loss: torch.Tensor, last: bool) -> torch.Tensor:
+        if count is None or (self.counts is None and j > 0):
+            raise RuntimeError("ol.backward(loss, count=...): give count for every micro-batch of a step or for none")
+        n = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach().reshape(())
+        if self.counts is None:
+            self.counts, self.base = [], self.steps * torch.clamp(n, min=1.0)
+        self.counts.append(n)
+        if last:
+            total = self.sum_counts(torch.stack(self.counts).sum().reshape(1))
+            self.hook.weight = (self.base / total.reshape(())).to(torch.float32)  # a 0-dim tensor: no host sync
+        return (n / self.base).to(loss.dtype)
+
+    def _rescale_local_grads(self) -> None:
+        """One process, no hook: apply the hook's factor ``c / N`` to the gradients directly."""
+        if self.model is None:
+            raise RuntimeError("ol.backward(loss, count=...) needs the model: call ol.wrap_model() first")
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(self.hook.weight.to(p.grad.device, p.grad.dtype))
+
+    def finish(self) -> torch.Tensor | None:
+        """The step ends: check every micro-batch was back-propagated; the step's weighted loss (or None)."""
+        k = self.steps
+        if self.done != k and (k > 1 or self.counts is not None):
+            raise RuntimeError(f"ol.step() after {self.done} of {k} ol.backward() calls: with accumulation_steps={k} "
+                               f"call ol.backward(loss) once for each micro-batch the loader hands out (this step's "
+                               f"gradients were not combined across workers as they should be)")
+        if self.done == 0:
+            return None
+        return self.loss / torch.stack(self.counts).sum().to(self.loss.dtype) if self.counts is not None else self.loss

@@ -1,0 +1,126 @@
+"""One rank's step ledger: steps handed out, the one being timed, and what was measured.
+
+The loader reports every step it hands out (:meth:`StepLedger.handed_out`).
+The step's clock starts then if no step is open; otherwise (a loop that
+fetches the next batch before calling ``ol.step()``, i.e. prefetches) it
+waits in a queue and its clock starts when the open step is reported, so
+each step's time is its own. A new iteration after an abandoned one
+(``restart``: a ``break`` or a peek) forgets the steps handed out and never
+reported; the loader hands them out again. More than
+:data:`FETCH_AHEAD_LIMIT` steps handed out and not reported means
+``ol.step()`` is not being called: an error, not a silent skew.
+
+:meth:`report` ends the open step; :meth:`rows` resolves the timer's pending
+steps (one device wait on CUDA, none per step) into rows of
+:data:`ROW_FIELDS`. Only the current control interval's rows are kept.
+:class:`TrainClock` is the run's training time (wall time less pauses),
+carried across a restart.
+
+Run: ``python -m pytest -q tests/dist/test_api.py -k prefetch``
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from omnilearn.timing import StepTimer
+
+FETCH_AHEAD_LIMIT = 4  # steps a loop may hold handed out besides the open one
+ROW_FIELDS = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "lr")
+
+
+class StepLedger:
+    """See the module docstring; ``on_start(step)`` runs just before a step's clock starts."""
+
+    def __init__(self, timer: StepTimer, on_start: Callable[[int], None]) -> None:
+        self.timer, self.on_start = timer, on_start
+        self.queue: deque[int] = deque()  # handed out, not reported; queue[0] is the open step, if any
+        self.open: int | None = None
+        self.last_started = self.last_reported = -1
+        self.pending: list[list] = []  # reported, times unresolved: [step, batch, loss, lr]
+        self.resolved: list[list[float]] = []  # this interval's finished rows
+
+    def handed_out(self, step: int, restart: bool) -> None:
+        """The loader hands out ``step`` (``restart``: the first of a new iteration after an abandoned one)."""
+        if restart:
+            self.queue.clear()
+            self.open = None
+        if len(self.queue) > FETCH_AHEAD_LIMIT:
+            raise RuntimeError(f"steps {list(self.queue)} were handed out but never reported: call ol.step() once per "
+                               f"batch, after optimizer.step() (a loop may fetch at most {FETCH_AHEAD_LIMIT} ahead)")
+        self.queue.append(step)
+        self.start_next()
+
+    def start_next(self) -> None:
+        """Start the clock of the oldest queued step, if none is open."""
+        if self.open is None and self.queue:
+            self.open = self.last_started = self.queue[0]
+            self.on_start(self.open)
+            self.timer.begin()
+
+    def report(self, batch: int, loss, lr: float) -> int:
+        """End the open step (``loss`` may be a tensor: read at the interval's end); returns its number."""
+        step = self.open
+        if step is None:
+            raise RuntimeError("step() without a batch: iterate the loader from data_loader() and call step() once "
+                               "per batch")
+        self.timer.end()
+        self.pending.append([step, batch, loss, lr])
+        self.queue.popleft()
+        self.open, self.last_reported = None, step
+        return step
+
+    def window_size(self) -> int:
+        return len(self.resolved) + len(self.pending)
+
+    def rows(self) -> list[list[float]]:
+        """This interval's rows so far (resolving the pending ones)."""
+        for (step, batch, loss, lr), t in zip(self.pending, self.timer.collect()):
+            loss = float(loss) if torch.is_tensor(loss) else loss
+            row = [step, batch, t.compute_s, t.wait_s, t.step_s, loss, t.delay_s, lr]
+            self.resolved.append([float(v) for v in row])
+        self.pending.clear()
+        return self.resolved
+
+    def take_rows(self) -> list[list[float]]:
+        """This interval's rows, and a fresh interval."""
+        rows, self.resolved = self.rows(), []
+        return rows
+
+
+class TrainClock:
+    """Wall time since the first step (plus a restored offset), and the part of it not paused."""
+
+    def __init__(self) -> None:
+        self.start_s: float | None = None
+        self.paused_s = self.offset_s = self.at_last_step_s = 0.0
+
+    def start(self) -> None:
+        if self.start_s is None:
+            self.start_s = time.perf_counter()
+
+    def wall_s(self) -> float:
+        return self.offset_s + (0.0 if self.start_s is None else time.perf_counter() - self.start_s)
+
+    def train_s(self) -> float:
+        return self.wall_s() - self.paused_s
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
+
+    def step_ended(self) -> None:
+        """Freeze the training time at a step's end (what a state taken between steps holds)."""
+        self.at_last_step_s = self.train_s()
+
+    def restore(self, train_s: float) -> None:
+        self.start_s, self.paused_s, self.offset_s, self.at_last_step_s = None, 0.0, train_s, train_s

@@ -1,0 +1,150 @@
+"""CUDA checks, skipped without a GPU (NCCL across ranks needs two).
+
+- :class:`~omnilearn.timing.StepTimer` on CUDA: events give positive compute
+  and wait times, and nothing synchronises the device per step (only
+  ``collect()`` waits, on one event).
+- A session on a 1-GPU NCCL group (the user's own group) trains with the
+  weighting hook, gradient accumulation and token counts kept on the device;
+  GPU memory and the session's rows stay bounded over the run; the result
+  equals one process without OmniLearn.
+- Two GPUs (NCCL, heterogeneous emulated speeds, accumulation): every rank
+  ends with the same weights, equal to one process training alone.
+
+Run: ``python -m pytest -q tests/gpu`` (on a CUDA machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import omnilearn
+from omnilearn.data.plan import GlobalPlan
+from omnilearn.timing import StepTimer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,
+                                reason="needs a CUDA GPU")
+PAD = -100
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Padded sequences (the target is the next token id, PAD after a random length)."""
+
+    def __init__(self, n: int = 512, length: int = 16, vocab: int = 32) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randint(vocab, (n, length), generator=g)
+        self.y = (self.x + 1) % vocab
+        lengths = torch.randint(1, length + 1, (n, 1), generator=g)
+        self.y[torch.arange(length).expand(n, length) >= lengths] = PAD
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def token_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(32, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 32))
+
+
+def token_loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=PAD)
+
+
+def reference(device: torch.device, steps: int, global_batch: int) -> dict[str, torch.Tensor]:
+    data, model = TokenData(), token_model().to(device)
+    plan, opt = GlobalPlan(len(data), global_batch, seed=0), torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        idx = plan.step_indices(step)
+        opt.zero_grad()
+        token_loss(model, data.x[idx].to(device), data.y[idx].to(device)).backward()
+        opt.step()
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def train(ol, model, loader, steps: int, memory: list[int] | None = None) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    while ol.steps_done < steps:
+        for micro_batches in loader:
+            opt.zero_grad()
+            for x, y in micro_batches:
+                x, y = x.to(ol.device, non_blocking=True), y.to(ol.device, non_blocking=True)
+                ol.backward(token_loss(model, x, y), count=(y != PAD).sum())  # a device tensor: no host sync
+            opt.step()
+            ol.step()
+            assert ol.ledger.window_size() < ol.cfg.control_interval  # rows kept: this interval's only
+            if memory is not None:
+                memory.append(torch.cuda.memory_allocated(ol.device))
+            if ol.steps_done == steps:
+                break
+
+
+def close(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm()) for k in b)
+
+
+def test_step_timer_uses_events_and_never_syncs_per_step(monkeypatch):
+    device = torch.device("cuda", 0)
+    a = torch.randn(2048, 2048, device=device)
+    torch.cuda.synchronize(device)
+    syncs: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kw: syncs.append("device"))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: syncs.append("stream"))
+    timer = StepTimer(device)
+    for _ in range(5):
+        timer.begin()
+        b = a @ a  # the step's compute
+        timer.mark_ready()
+        b = b @ a  # stands for the reduction the compute stream waits for
+        timer.mark_reduced(last=True)
+        timer.end()
+    assert syncs == []  # nothing waited for the device during the steps
+    times = timer.collect()  # one wait, on the last step's end event
+    assert len(times) == 5
+    for t in times:
+        assert t.compute_s > 0 and t.wait_s > 0 and t.step_s >= t.compute_s
+        assert t.step_s == pytest.approx(t.compute_s + t.wait_s)
+
+
+def test_session_on_a_one_gpu_nccl_group_trains_exactly_in_bounded_memory(tmp_path):
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ol = omnilearn.setup(global_batch=64, control_interval=4, accumulation_steps=2, device="cuda")
+        assert ol.device.type == "cuda" and ol.ctx.backend == "nccl"
+        model = ol.wrap_model(token_model())
+        loader = ol.data_loader(TokenData())
+        memory: list[int] = []
+        train(ol, model, loader, 40, memory)
+        assert max(memory[8:]) <= memory[8] + (1 << 20)  # no growth after warm-up (1 MiB slack)
+        summary = ol.finish()
+        assert summary["steps"] == 40
+        got = {k: v.detach().cpu() for k, v in ol.module.state_dict().items()}
+        assert close(got, reference(ol.device, 40, 64)) < 1e-4
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_gpu_worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.cuda.set_device(rank)
+    ol = omnilearn.setup(global_batch=64, speeds="3,1", control_interval=4, accumulation_steps=2, min_batch=8,
+                         device="cuda")
+    model = ol.wrap_model(token_model())
+    train(ol, model, ol.data_loader(TokenData()), 24)
+    ol.finish()
+    torch.save({k: v.detach().cpu() for k, v in ol.module.state_dict().items()}, f"{out}/rank{rank}.pt")
+    ol.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across ranks needs 2 GPUs")
+def test_two_gpus_heterogeneous_accumulating_equal_one_process(tmp_path):
+    mp.start_processes(_two_gpu_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert close(a, b) == 0.0
+    assert close(a, reference(torch.device("cuda", 0), 24, 64)) < 1e-4
