@@ -67,8 +67,7 @@ class BalanceConfig:
 
     # Settings that may differ between ranks: host paths (``data_dir`` and ``preset``, a preset file's path, are
     # the harness's), the device, console output.
-    host_local: ClassVar[frozenset[str]] = frozenset({"out", "overwrite", "device", "timeout_s", "quiet", "data_dir",
-                                                      "preset"})
+    host_local: ClassVar[frozenset[str]] = frozenset({"out", "overwrite", "device", "timeout_s", "quiet"})
 
     def __post_init__(self) -> None:
         _check_types(self)

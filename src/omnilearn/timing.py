@@ -1,7 +1,9 @@
 """Step timing: how long this worker computed, and how long it waited for its peers.
 
 One :class:`StepTimer` per rank. The session calls ``begin()`` when the loader
-hands out a step's batch and ``end()`` when the user reports the step; the
+hands out a step's batch (or, in a loop that fetched the next batch ahead,
+when the previous step is reported) and ``end()`` when the user reports the
+step; the
 gradient hook's callbacks call ``mark_ready()`` when this worker's last
 gradient bucket is ready (its own compute is done) and ``mark_reduced()``
 when a bucket's all-reduce has finished (from a communication thread, hence

@@ -27,32 +27,15 @@ from torch import nn
 
 import omnilearn
 from omnilearn.data.plan import GlobalPlan
+from tokendata import PAD, TokenData
 
 pytestmark = pytest.mark.dist
-PAD = -100
 
 
 class ListData(torch.utils.data.Dataset):
     def __init__(self, n: int = 240) -> None:
         g = torch.Generator().manual_seed(1)
         self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(3, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
-
-
-class TokenData(torch.utils.data.Dataset):
-    """Sequences of 8 tokens, padded after a random length; the target is the next token id."""
-
-    def __init__(self, n: int = 240, length: int = 8, vocab: int = 11) -> None:
-        g = torch.Generator().manual_seed(2)
-        self.x = torch.randint(vocab, (n, length), generator=g)
-        self.y = (self.x + 1) % vocab
-        lengths = torch.randint(1, length + 1, (n, 1), generator=g)
-        self.y[torch.arange(length).expand(n, length) >= lengths] = PAD
 
     def __len__(self) -> int:
         return len(self.x)

@@ -24,28 +24,11 @@ from torch import nn
 
 import omnilearn
 from omnilearn.data.plan import GlobalPlan
+from tokendata import PAD, TokenData
 from omnilearn.timing import StepTimer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,
                                 reason="needs a CUDA GPU")
-PAD = -100
-
-
-class TokenData(torch.utils.data.Dataset):
-    """Padded sequences (the target is the next token id, PAD after a random length)."""
-
-    def __init__(self, n: int = 512, length: int = 16, vocab: int = 32) -> None:
-        g = torch.Generator().manual_seed(2)
-        self.x = torch.randint(vocab, (n, length), generator=g)
-        self.y = (self.x + 1) % vocab
-        lengths = torch.randint(1, length + 1, (n, 1), generator=g)
-        self.y[torch.arange(length).expand(n, length) >= lengths] = PAD
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
 
 
 def token_model() -> nn.Module:
@@ -58,7 +41,7 @@ def token_loss(model, x, y):
 
 
 def reference(device: torch.device, steps: int, global_batch: int) -> dict[str, torch.Tensor]:
-    data, model = TokenData(), token_model().to(device)
+    data, model = TokenData(512, 16, 32), token_model().to(device)
     plan, opt = GlobalPlan(len(data), global_batch, seed=0), torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         idx = plan.step_indices(step)
@@ -118,7 +101,7 @@ def test_session_on_a_one_gpu_nccl_group_trains_exactly_in_bounded_memory(tmp_pa
         ol = omnilearn.setup(global_batch=64, control_interval=4, accumulation_steps=2, device="cuda")
         assert ol.device.type == "cuda" and ol.ctx.backend == "nccl"
         model = ol.wrap_model(token_model())
-        loader = ol.data_loader(TokenData())
+        loader = ol.data_loader(TokenData(512, 16, 32))
         memory: list[int] = []
         train(ol, model, loader, 40, memory)
         assert max(memory[8:]) <= memory[8] + (1 << 20)  # no growth after warm-up (1 MiB slack)
@@ -136,7 +119,7 @@ def _two_gpu_worker(rank: int, store: str, out: str) -> None:
     ol = omnilearn.setup(global_batch=64, speeds="3,1", control_interval=4, accumulation_steps=2, min_batch=8,
                          device="cuda")
     model = ol.wrap_model(token_model())
-    train(ol, model, ol.data_loader(TokenData()), 24)
+    train(ol, model, ol.data_loader(TokenData(512, 16, 32)), 24)
     ol.finish()
     torch.save({k: v.detach().cpu() for k, v in ol.module.state_dict().items()}, f"{out}/rank{rank}.pt")
     ol.close()

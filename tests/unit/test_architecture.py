@@ -189,16 +189,6 @@ def test_library_never_imports_the_harness():
     assert {m: hits for m, hits in found.items() if hits and m not in HARNESS_IMPORTERS} == {}
 
 
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=f"owned elsewhere: {why}"))
-    for m, why in sorted(HARNESS_IMPORTERS.items())
-])
-def test_known_harness_importer_is_fixed(module):
-    if module in omnilearn_tree().modules:  # a module that is gone is fixed too
-        assert harness_imports(omnilearn_tree(), "omnilearn")[module] == []
-        assert loaded_after(HARNESS_DEPS, [module]) == []
-
-
 def test_no_private_names_across_modules():
     assert private_uses(omnilearn_tree()) == []
 

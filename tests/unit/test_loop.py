@@ -7,15 +7,18 @@ What is checked:
   intervals change at 64 and at 1,024 simulated workers (the legacy rule,
   same simulation, changes in nearly all: the bound can fail);
 - a real 2x slowdown of one worker is followed within 2 intervals (4 to 1,024
-  workers); the ASP scenario (3x slower after 400 steady pushes) within 2
-  control intervals, event-driven and hand-built, where the legacy server
-  path takes many more;
+  workers, and 3-4 workers on a noisy host: 20-30% noise, 5% of steps 3x);
+  the ASP scenario (3x slower after 400 steady pushes) within 2 control
+  intervals, event-driven and hand-built, where the legacy server path takes
+  many more; one wild time in a window of two samples neither misleads nor
+  blinds the loop;
 - bounded history: the ring never grows, the estimate pools only the newest
   ``history`` windows, shift detection keeps only the newest window;
 - stale rows (another batch) count as no samples; ``min_samples`` holds;
 - the deadband judges the predicted gain (a 8% single-worker change among 64
-  is held), the noise gate holds a gain inside the window noise, small
-  plans still move by one sample; invariants of every decision (hypothesis);
+  is held), the noise gate holds a gain inside the window noise and is the
+  exact worst case over the estimates' error box (hypothesis, brute force),
+  small plans still move by one sample; invariants of every decision (hypothesis);
 - ``effective_step = step + 1 + lag`` and changes at/after ``total_steps`` held;
 - ``state_dict`` is JSON-able and a restored loop makes the same decisions.
 
@@ -83,8 +86,8 @@ def test_noise_alone_changes_at_most_ten_percent_of_intervals(workers, seed):
 
 
 def test_the_legacy_rule_fails_that_churn_bound():
-    # the same simulation through the old rule (largest single-worker change vs the deadband);
-    # goes with the legacy Observation path
+    # the same simulation through the rule the loop replaced (largest single-worker change vs the
+    # deadband), kept as the reference baseline in simulate.py
     changes, _ = simulate.churn(64, intervals=50, legacy=True)
     assert changes > 5, changes
 
@@ -93,6 +96,40 @@ def test_the_legacy_rule_fails_that_churn_bound():
 def test_a_real_2x_slowdown_is_followed_within_two_intervals(workers):
     intervals = simulate.follow(workers, legacy=False)
     assert intervals is not None and intervals <= 2, intervals
+
+
+@pytest.mark.parametrize("workers", [3, 4])
+@pytest.mark.parametrize("noise", [0.2, 0.3])
+def test_a_small_noisy_cluster_follows_a_real_2x_slowdown_within_two_intervals(workers, noise):
+    # A shared host: 20-30% per-step noise and 5% of steps 3x longer. Over 1,000 seeds each: at 20%
+    # all follow within 2 (99.9-100% within 1); at 30%, 98.6-99% within 1, and 2 (3 workers) and 1 (4
+    # workers) in 1,000 move less than halfway in 2 (their 15-step medians came out ~25% low). The
+    # gate before (z = sqrt(2 ln n) + 0.5, the slowest worker's error counted before AND after) took
+    # 3-4 intervals in 3.5% and 1.3% (seeds 0 and 4 here), and followed within 1 in only 75-77%.
+    runs = [simulate.follow(workers, legacy=False, seed=s, noise=noise, spikes=0.05) for s in range(10)]
+    assert all(r is not None and r <= 2 for r in runs), runs
+    changes, _ = simulate.churn(workers, intervals=200, legacy=False, noise=noise, spikes=0.05)
+    assert changes <= 20, changes  # and that host's noise alone still rarely changes batches
+
+
+@pytest.mark.parametrize("who", [0, 1])  # the worker that then slows down, or another
+def test_one_wild_time_in_a_two_sample_window_does_not_blind_the_loop(who):
+    """A 20x pause as one of two samples used to stay in the pooled spread: 6-7 intervals blind."""
+    loop = linear_loop((64, 64, 64, 64))
+    rng, speed = np.random.default_rng(5), np.ones(4)
+
+    def window():
+        return window_table(loop.plan, (loop.plan / 64 * speed)[:, None] * (1 + 0.05 * rng.standard_normal((4, 15))))
+
+    for k in range(6):
+        assert not loop.update(k, window()).changed
+    rows = window()
+    rows[who] = window_row(64, [1.0, 20.0])
+    wild = loop.update(6, rows)
+    speed[0] = 2.0  # balanced share of worker 0 now ~37: halfway is 50
+    followed = [loop.update(7 + k, window()).changed for k in range(2)]
+    assert any(followed) and loop.batches[0] <= 50, (followed, loop.batches)
+    assert not wild.changed and wild.times_s[who] == pytest.approx(1.0, rel=0.05)  # nor misled
 
 
 def test_asp_3x_slowdown_after_400_pushes_is_followed_within_two_intervals():
@@ -195,6 +232,26 @@ def test_noise_gate_holds_a_gain_inside_the_window_noise():
     assert after == pytest.approx(max(t * n / b for t, n, b in zip(medians, quiet.new, batches)))
 
 
+@FAST
+@given(n=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_noise_gate_is_the_exact_worst_case_over_the_error_box(n, seed):
+    rng = np.random.default_rng(seed)
+    loop = linear_loop((10,) * n)
+    times, stderr = rng.uniform(0.5, 2.0, n), rng.uniform(0.0, 0.2, n) * rng.integers(0, 2, n)
+    predicted = times * rng.uniform(0.5, 1.5, n)
+    z, before = loop.margin_z(), times.max()
+    lo, hi = np.maximum(times - z * stderr, 0.0), times + z * stderr
+
+    def least_gain(taus):  # (n, k) true times -> least of their k gains
+        return float(np.min(taus.max(0) - (taus * (predicted / times)[:, None]).max(0)))
+
+    worst = before - predicted.max() - before * loop.noise(times, stderr, predicted)
+    # the minimum lies where each worker sits at an end of its box or at another's low end
+    grids = [np.unique(np.concatenate(([lo[i], hi[i]], np.clip(lo, lo[i], hi[i])))) for i in range(n)]
+    assert worst == pytest.approx(least_gain(np.array(np.meshgrid(*grids)).reshape(n, -1)), abs=1e-12)
+    assert least_gain(rng.uniform(lo[:, None], hi[:, None], (n, 500))) >= worst - 1e-12
+
+
 def test_small_plans_can_move_by_one_sample():
     loop = linear_loop((10, 10))
     d = loop.update(0, rows_of((10, 10), (1.2, 1.0)))  # proposal (9, 11): predicted 1.2 s -> 1.1 s
@@ -266,8 +323,8 @@ def test_bad_rows_and_arguments_are_rejected():
         loop.update(0, [(50, 1, 1.0, 0.0)])
     with pytest.raises(ValueError, match="finite"):
         loop.update(0, [(50, 3, math.nan, 0.0), (50, 3, 1.0, 0.0)])
-    for kw in ({"deadband": 1.0}, {"lag": -1}, {"history": 0}, {"min_samples": 0}, {"shift": 0.0},
-               {"total_steps": 0}):
+    for kw in ({"deadband": 1.0}, {"deadband": -0.01}, {"deadband": math.nan}, {"lag": -1}, {"history": 0},
+               {"min_samples": 0}, {"shift": 0.0}, {"total_steps": 0}):
         with pytest.raises(ValueError):
             linear_loop((50, 50), **kw)
 

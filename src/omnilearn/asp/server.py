@@ -62,7 +62,7 @@ class ParameterServer:
         self.model, self.opt, self.sched, self.evaluate = model, optimizer, lr_schedule, evaluate
         self.flat = Flat(model)
         bounds = Bounds(cfg.global_batch, self.n, cfg.min_batch, cfg.max_batch)
-        controller = make_controller(cfg.controller, bounds, run.speeds.at(0), cfg.deadband)
+        controller = make_controller(cfg.controller, bounds, run.speeds.at(0))
         loop = ControlLoop(controller, deadband=cfg.deadband, total_steps=self.total_pushes)
         self.control = PushControl(loop, cfg.control_interval * self.n)
         self.dealer = IndexDealer(dataset_len, cfg.seed)

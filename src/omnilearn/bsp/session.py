@@ -95,7 +95,7 @@ class Session:
         self.emulator = self.emulation.delay
         self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced)
         bounds = Bounds(cfg.global_batch, ctx.world_size, cfg.min_batch, cfg.max_batch)
-        controller = make_controller(cfg.controller, bounds, initial_speeds(cfg, total_steps), cfg.deadband)
+        controller = make_controller(cfg.controller, bounds, initial_speeds(cfg, total_steps))
         self.loop = ControlLoop(controller, deadband=cfg.deadband, total_steps=total_steps)
         self.schedule = BatchSchedule(self.loop.batches)
         self.sampler = VariableBatchSampler(None, self.schedule, ctx.rank, total_steps, cfg.accumulation_steps)

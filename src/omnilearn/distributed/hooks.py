@@ -29,7 +29,9 @@ class HookState:
     """What the hook reads each step; the session sets ``weight`` before every backward."""
 
     process_group: Any = None  # the group DDP reduces over (None: the default group)
-    weight: float = 1.0  # this worker's share of the step's gradient, b_i / B
+    # This worker's share of the step's gradient: b_i / B, or count_i / sum(count) for token losses
+    # (then a 0-dim tensor on the device, so reading it never synchronises).
+    weight: Any = 1.0
     on_ready: Callable[[], None] | None = None
     on_reduced: Callable[[bool], None] | None = None
 

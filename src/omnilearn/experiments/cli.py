@@ -77,9 +77,12 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         "cgroup (CPU quota), affinity (CPU sets), docker (docker update per container), none")
     add("--containers", help="with --emulator docker: the workers' container names, comma-separated")
     add("--throttle-cpus", type=float, help="with cgroup/docker: CPUs of the fastest worker (default: cores / workers)")
-    add("--deadband", type=float, help="skip changes smaller than this fraction (default 0.05)")
+    add("--deadband", type=float, help="change batches only if the predicted step time improves by more than this "
+        "fraction (default 0.05) and by more than the measurement noise")
     add("--min-batch", type=int, help=f"smallest per-worker batch (default {d['min_batch'].default})")
     add("--max-batch", type=int, help="largest per-worker batch (default: the global batch)")
+    add("--accumulation-steps", type=int, help="micro-batches per optimizer step on every worker (default 1); "
+        "the global batch is per optimizer step")
     add("--control-interval", type=int, help=f"steps between controller decisions (default {d['control_interval'].default})")
     add("--overwrite", action="store_true", help="replace a previous run in --out")
     add("--device", choices=DEVICES, help="auto (default: CUDA if present), cpu or cuda")

@@ -9,7 +9,7 @@ explicit CLI flags. The resolved config is written to
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.config import DEVICES, EMULATORS, BalanceConfig, ConfigError, check_positive, dump_toml
@@ -34,6 +34,8 @@ MODES = ("bsp", "asp")
 @dataclass(frozen=True)
 class TrainConfig(BalanceConfig):
     """``omnilearn train``: the balancing settings plus the workload (model, data, optimizer, schedule)."""
+
+    host_local: ClassVar[frozenset[str]] = BalanceConfig.host_local | {"data_dir", "preset"}  # may differ per node
 
     workers: int = 4
     preset: str | None = None  # the paper preset this config started from (informational)
@@ -110,6 +112,9 @@ class TrainConfig(BalanceConfig):
             raise ConfigError(f"--mode asp emulates speeds with --emulator delay or none, not {self.emulator}")
         if self.loader_workers:
             raise ConfigError("--mode asp workers read their batches directly; drop --loader-workers")
+        if self.accumulation_steps != 1:
+            raise ConfigError(f"--accumulation-steps {self.accumulation_steps} is for --mode bsp; in asp every push "
+                              "is one batch: drop it")
         if self.max_time_s is not None and self.max_time_s <= 0:
             raise ConfigError(f"--max-time-s {self.max_time_s:g} must be positive")
 

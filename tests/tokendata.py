@@ -1,0 +1,24 @@
+"""A padded next-token dataset shared by the accumulation and GPU tests (importable: tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+PAD = -100  # cross_entropy's default ignore_index
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Sequences of ``length`` tokens, padded after a random length; the target is the next token id."""
+
+    def __init__(self, n: int = 240, length: int = 8, vocab: int = 11) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randint(vocab, (n, length), generator=g)
+        self.y = (self.x + 1) % vocab
+        lengths = torch.randint(1, length + 1, (n, 1), generator=g)
+        self.y[torch.arange(length).expand(n, length) >= lengths] = PAD
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
