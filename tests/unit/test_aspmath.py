@@ -10,12 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnilearn.asp.control import PushControl
-from omnilearn.asp.rules import IndexDealer, Liveness, Staleness, TrainClock, push_lr
+from omnilearn.asp.rules import IndexDealer, Liveness, Staleness, push_lr
 from omnilearn.asp.settings import ASPSettings
 from omnilearn.balance.allocation import Bounds
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.config import ConfigError
+from omnilearn.trainclock import TrainClock
 
 
 @settings(max_examples=200, deadline=None)

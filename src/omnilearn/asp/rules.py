@@ -9,8 +9,8 @@ short). :func:`push_lr` is the rate a push is applied with: linear scaling
 much as a uniform one) and, optionally, divided by the push's staleness
 (Zhang et al. 2016). :class:`Staleness` keeps per-worker statistics.
 :class:`Liveness` knows when each worker was last heard from, so the server
-can name one silent for longer than the timeout; :class:`TrainClock` is the
-server's training time: wall time minus the pauses (evaluation).
+can name one silent for longer than the timeout (the server's training time
+is :class:`omnilearn.trainclock.TrainClock`).
 
 Run its tests: ``python -m pytest -q tests/unit/test_aspmath.py``
 """
@@ -119,32 +119,3 @@ class Liveness:
         """The quietest worker when it has been silent for longer than ``timeout_s``, else None."""
         found = self.quietest(now_s, done)
         return found if found is not None and found[1] > self.timeout_s else None
-
-
-@dataclass
-class TrainClock:
-    """Training time on the server's clock: time since ``start`` minus the time spent paused (evaluating)."""
-
-    start_s: float = 0.0
-    paused_s: float = 0.0
-    pause_began_s: float | None = None
-
-    def start(self, now_s: float) -> None:
-        self.start_s, self.paused_s, self.pause_began_s = now_s, 0.0, None
-
-    def pause(self, now_s: float) -> None:
-        if self.pause_began_s is None:
-            self.pause_began_s = now_s
-
-    def resume(self, now_s: float) -> None:
-        if self.pause_began_s is not None:
-            self.paused_s += now_s - self.pause_began_s
-            self.pause_began_s = None
-
-    def wall_s(self, now_s: float) -> float:
-        return now_s - self.start_s
-
-    def train_s(self, now_s: float) -> float:
-        """Wall time minus pauses; while paused, frozen at the pause's start."""
-        now_s = now_s if self.pause_began_s is None else self.pause_began_s
-        return now_s - self.start_s - self.paused_s

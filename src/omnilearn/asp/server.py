@@ -32,7 +32,7 @@ from torch import nn
 
 from omnilearn.asp.control import PushControl
 from omnilearn.asp.flat import Flat
-from omnilearn.asp.rules import IndexDealer, Liveness, Staleness, TrainClock, push_lr
+from omnilearn.asp.rules import IndexDealer, Liveness, Staleness, push_lr
 from omnilearn.asp.settings import ASPSettings
 from omnilearn.balance.allocation import Bounds
 from omnilearn.balance.controllers import make_controller
@@ -42,6 +42,7 @@ from omnilearn.distributed.ps import GO, HOLD, PUSH, STOP, PeerTimeout, Request,
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.asplog import ASPLog
 from omnilearn.runplan import RunPlan
+from omnilearn.trainclock import TrainClock
 
 Evaluate = Callable[[nn.Module], tuple[float, float]]  # (test loss, test accuracy)
 

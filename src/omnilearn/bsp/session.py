@@ -64,7 +64,7 @@ from omnilearn.bsp.interval import SYNC_BUFFERS, check_same_settings, end_window
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp.micro import MicroSteps
 from omnilearn.bsp.rng import load_rng_state, rng_state, seed_rank
-from omnilearn.bsp.steps import ROW_FIELDS, StepLedger, TrainClock
+from omnilearn.bsp.steps import ROW_FIELDS, StepLedger
 from omnilearn.bsp.wrap import wrap
 from omnilearn.config import BalanceConfig, ConfigError
 from omnilearn.data.loader import BalancedLoader, keep_batch
@@ -75,6 +75,7 @@ from omnilearn.distributed.hooks import HookState
 from omnilearn.observe.recorder import Telemetry
 from omnilearn.runplan import RunPlan, initial_speeds, plan_run
 from omnilearn.timing import StepTimer
+from omnilearn.trainclock import TrainClock
 
 STATE_FORMAT = 1
 

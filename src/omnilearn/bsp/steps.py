@@ -13,18 +13,14 @@ reported; the loader hands them out again. More than
 :meth:`report` ends the open step; :meth:`rows` resolves the timer's pending
 steps (one device wait on CUDA, none per step) into rows of
 :data:`ROW_FIELDS`. Only the current control interval's rows are kept.
-:class:`TrainClock` is the run's training time (wall time less pauses),
-carried across a restart.
 
 Run: ``python -m pytest -q tests/dist/test_api.py -k prefetch``
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -91,36 +87,3 @@ class StepLedger:
         """This interval's rows, and a fresh interval."""
         rows, self.resolved = self.rows(), []
         return rows
-
-
-class TrainClock:
-    """Wall time since the first step (plus a restored offset), and the part of it not paused."""
-
-    def __init__(self) -> None:
-        self.start_s: float | None = None
-        self.paused_s = self.offset_s = self.at_last_step_s = 0.0
-
-    def start(self) -> None:
-        if self.start_s is None:
-            self.start_s = time.perf_counter()
-
-    def wall_s(self) -> float:
-        return self.offset_s + (0.0 if self.start_s is None else time.perf_counter() - self.start_s)
-
-    def train_s(self) -> float:
-        return self.wall_s() - self.paused_s
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused_s += time.perf_counter() - start
-
-    def step_ended(self) -> None:
-        """Freeze the training time at a step's end (what a state taken between steps holds)."""
-        self.at_last_step_s = self.train_s()
-
-    def restore(self, train_s: float) -> None:
-        self.start_s, self.paused_s, self.offset_s, self.at_last_step_s = None, 0.0, train_s, train_s
