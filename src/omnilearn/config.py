@@ -63,11 +63,13 @@ class BalanceConfig:
     overwrite: bool = False
     device: str = "auto"
     timeout_s: float = 300.0
+    heartbeat_s: float = 60.0  # a rank whose heartbeat stops this long is reported as hung (distributed/watchdog.py)
     quiet: bool = False  # one line per run instead of live progress (used by bench)
 
     # Settings that may differ between ranks: host paths (``data_dir`` and ``preset``, a preset file's path, are
     # the harness's), the device, console output.
-    host_local: ClassVar[frozenset[str]] = frozenset({"out", "overwrite", "device", "timeout_s", "quiet"})
+    host_local: ClassVar[frozenset[str]] = frozenset({"out", "overwrite", "device", "timeout_s", "heartbeat_s",
+                                                      "quiet"})
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -75,13 +77,15 @@ class BalanceConfig:
             raise ConfigError(f"--workers {self.workers} must be positive")
         if self.speeds is None and self.workers is not None:
             object.__setattr__(self, "speeds", ",".join(["1"] * self.workers))
-        check_positive(self, "global_batch", "control_interval", "timeout_s", "accumulation_steps")
+        check_positive(self, "global_batch", "control_interval", "timeout_s", "heartbeat_s", "accumulation_steps")
         if self.min_batch < self.accumulation_steps:
             raise ConfigError(f"--min-batch {self.min_batch} is below --accumulation-steps {self.accumulation_steps}: "
                               f"each worker's batch is split into {self.accumulation_steps} micro-batches and none may "
                               f"be empty; use --min-batch {self.accumulation_steps} or more")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed {self.seed} must be in [0, 2**63)")
+        if self.heartbeat_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"--heartbeat-s {self.heartbeat_s:g} is too long; use at most {MAX_TIMEOUT_S:g} seconds")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise ConfigError(f"--timeout-s {self.timeout_s:g} is too long; use at most {MAX_TIMEOUT_S:g} seconds")
         if not 0 <= self.deadband < 1:

@@ -35,7 +35,8 @@ MODES = ("bsp", "asp")
 class TrainConfig(BalanceConfig):
     """``omnilearn train``: the balancing settings plus the workload (model, data, optimizer, schedule)."""
 
-    host_local: ClassVar[frozenset[str]] = BalanceConfig.host_local | {"data_dir", "preset"}  # may differ per node
+    host_local: ClassVar[frozenset[str]] = BalanceConfig.host_local | {"data_dir", "preset", "resume", "max_restarts",
+                                                                       "oversubscribe"}  # may differ per node
 
     workers: int = 4
     preset: str | None = None  # the paper preset this config started from (informational)
@@ -61,6 +62,11 @@ class TrainConfig(BalanceConfig):
     lr_scaling: str = "linear"  # asp: each push's rate times b_i / (B / n), or "none"
     staleness_lr: bool = False  # asp: also divide each push's rate by its staleness
     max_time_s: float | None = None  # asp: stop after this much training time (the bench's equal budget)
+    checkpoint_every: int = 500  # steps between checkpoints in RUN_DIR/checkpoints (asp: steps x workers pushes); 0: none
+    keep_checkpoints: int = 3  # the newest K checkpoints are kept
+    resume: bool = False  # continue the run in --out from its latest checkpoint (metrics are appended)
+    max_restarts: int = 0  # local runs: restart the workers from the latest checkpoint after a failure, this often
+    oversubscribe: bool = False  # allow more than OVERSUBSCRIBE_PER_CORE local processes per core
 
     def __post_init__(self) -> None:
         if self.speeds is None and isinstance(self.workers, int):
@@ -78,6 +84,11 @@ class TrainConfig(BalanceConfig):
             raise ConfigError(f"--weight-decay {self.weight_decay} must be 0 or more")
         if not 0 < self.gamma <= 1:
             raise ConfigError(f"--gamma {self.gamma} must be in (0, 1], e.g. 0.1")
+        for name in ("checkpoint_every", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} must be 0 or more")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"--keep-checkpoints {self.keep_checkpoints} must be at least 1")
         if self.loader_workers < 0:
             raise ConfigError(f"--loader-workers {self.loader_workers} must be 0 or more")
         for name, allowed in (("model", MODELS), ("dataset", DATASETS), ("optimizer", OPTIMIZERS),
