@@ -1,7 +1,9 @@
 """Where ranks meet: the end of a control interval, and the check that all ranks are at the same point.
 
 Every collective of the session starts with :func:`meet`: one all-gather of
-a short row per rank, ``[kind, steps_done, last step sampled, *window]``.
+a short row per rank, ``[kind, steps_done, last step sampled, stop, *window]``
+(``stop``: this rank got a stop signal; any rank's makes every rank stop at
+this interval's end).
 All ranks must be at the same kind of point after the same number of steps;
 if one rank calls ``sync_buffers()`` while another ends a control interval,
 every rank that meets raises the same clear error instead of pairing
@@ -9,7 +11,7 @@ unrelated collectives.
 
 At a control interval the row carries this rank's
 :func:`~omnilearn.balance.loop.window_row` (its ``compute_s`` at its current
-planned batch), so the same all-gather (``n x 7`` numbers, whatever the
+planned batch), so the same all-gather (``n x 8`` numbers, whatever the
 interval's length) feeds the :class:`~omnilearn.balance.loop.ControlLoop` on
 every rank and all reach the same decision. A change lands at the loop's
 effective step, or later if some rank already sampled that step (a loop or
@@ -38,7 +40,7 @@ from omnilearn.distributed.group import DistContext
 
 INTERVAL, SYNC_BUFFERS = 1, 2
 POINTS = {INTERVAL: "the end of a control interval", SYNC_BUFFERS: "sync_buffers() (or finish())"}
-HEADER = 3  # kind, steps done, last step sampled
+HEADER = 4  # kind, steps done, last step sampled, stop asked
 SETTINGS_SLOTS = 128  # fingerprints compared at start: one for the names, one per setting (the rest folded)
 
 
@@ -61,7 +63,7 @@ def check_same_settings(ctx: DistContext, cfg: BalanceConfig, total_steps: int |
 
 
 def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
-         window: Sequence[float] = (0.0,) * WINDOW_FIELDS) -> list[list[float]]:
+         window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False) -> list[list[float]]:
     """All ranks' rows; raises on every rank if they are not at the same point.
 
     A rank that never comes (it skipped the call and waits in a training
@@ -69,7 +71,7 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
     group's timeout; the error then says so.
     """
     try:
-        table = all_gather_row(ctx, [kind, steps_done, last_read, *window])
+        table = all_gather_row(ctx, [kind, steps_done, last_read, float(stop), *window])
     except RuntimeError as e:
         raise RuntimeError(f"rank {ctx.rank} waited at {POINTS.get(kind, kind)} after {steps_done} steps and the "
                            f"other ranks did not come: call step(), sync_buffers() and finish() on every rank at the "
@@ -86,14 +88,18 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
 
 
 def end_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
-               rows: list[list[float]]) -> Decision:
-    """Feed this interval to the loop on every rank; register a change in ``schedule``. ``rows``: this rank's."""
+               rows: list[list[float]], stop: bool = False) -> tuple[Decision, bool]:
+    """Feed this interval to the loop on every rank; register a change in ``schedule``. ``rows``: this rank's.
+
+    Also: whether any rank asked to stop (``stop`` is this rank's wish).
+    """
     batch = loop.batches[ctx.rank]
     mine = window_row(batch, [r[2] for r in rows if int(r[1]) == batch])
-    table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine)
+    table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine, stop)
     decision = loop.update(step, [row[HEADER:] for row in table])
+    stop_any = any(row[3] for row in table)
     if not decision.changed:
-        return decision
+        return decision, stop_any
     first = max(decision.effective_step, 1 + max(int(row[2]) for row in table))
     schedule.change(first, decision.new)
-    return dataclasses.replace(decision, effective_step=first)
+    return dataclasses.replace(decision, effective_step=first), stop_any

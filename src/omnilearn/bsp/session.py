@@ -38,11 +38,16 @@ Run it with ``torchrun --nproc-per-node N script.py`` or as one process.
 afterwards (dropout and augmentation differ per rank; :mod:`omnilearn.bsp.rng`).
 A step's clock starts when its batch is handed out, or when the previous
 step is reported if the loop fetched ahead; ``step()`` ends it. Every
-``control_interval`` steps one all-gather of ``n x 7`` numbers feeds the same
+``control_interval`` steps one all-gather of ``n x 8`` numbers feeds the same
 :class:`~omnilearn.balance.loop.ControlLoop` on every rank, and the
 interval's per-step rows go to rank 0 only (:mod:`omnilearn.bsp.interval`).
 ``state_dict()`` / ``load_state_dict()`` hold everything but the user's
-model and optimizer. ``omnilearn train`` uses this class.
+model and optimizer (a ``Stateful`` for ``torch.distributed.checkpoint``);
+``save_checkpoint()`` / ``load_checkpoint()`` write and read all of it in
+one file (:mod:`omnilearn.bsp.checkpointing`), and a checkpoint of one
+worker count resumes at another. SIGTERM/SIGINT (:mod:`omnilearn.stopping`)
+are agreed on at the next interval end: ``should_stop`` turns true on every
+rank at the same step. ``omnilearn train`` uses this class.
 
 Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.py``
 """
@@ -60,6 +65,7 @@ from torch.utils.data import DataLoader
 from omnilearn.balance.allocation import Bounds
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
+from omnilearn.bsp import checkpointing
 from omnilearn.bsp.interval import SYNC_BUFFERS, check_same_settings, end_window, meet
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp.micro import MicroSteps
@@ -74,6 +80,7 @@ from omnilearn.distributed.collect import average_buffers, gather_to_main, sum_t
 from omnilearn.distributed.hooks import HookState
 from omnilearn.observe.recorder import Telemetry
 from omnilearn.runplan import RunPlan, initial_speeds, plan_run
+from omnilearn.stopping import stop_requested
 from omnilearn.timing import StepTimer
 from omnilearn.trainclock import TrainClock
 
@@ -110,6 +117,9 @@ class Session:
         self.telemetry: Telemetry | None = None
         self.clock = TrainClock()
         self._rng_restored = False
+        self.should_stop = False  # a stop signal reached some rank: every rank sees it after the same step
+        self.resumed_from: tuple[int, int] | None = None  # (step, the checkpoint's worker count) after a load
+        self._telemetry_state: dict | None = None  # rank 0's record counters from a checkpoint, for the Telemetry
 
     device = property(lambda self: self.ctx.device)
     rank = property(lambda self: self.ctx.rank)
@@ -121,6 +131,16 @@ class Session:
     def module(self) -> nn.Module | None:
         """The user's model without the DDP wrapper (for evaluation and saving)."""
         return self.model.module if isinstance(self.model, DDP) else self.model
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the loader's next iteration serves (after a resume: the checkpoint's)."""
+        return self.sampler.epoch
+
+    @property
+    def interval_ended(self) -> bool:
+        """Whether the last reported step closed a control interval (buffers equal, no open window)."""
+        return self.ledger.window_size() == 0
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -163,6 +183,7 @@ class Session:
         )
         if self.is_main:
             self.telemetry = Telemetry(self.cfg, self.run, self.run_dir)
+            self._restore_telemetry()
         self.loader = BalancedLoader(loader, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
         return self.loader
 
@@ -210,7 +231,8 @@ class Session:
 
     def _end_interval(self, step: int) -> None:
         rows = self.ledger.take_rows()
-        decision = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows)
+        decision, stop = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows, stop_requested())
+        self.should_stop = self.should_stop or stop
         table = gather_to_main(self.ctx, rows, len(ROW_FIELDS))
         self._average_buffers()
         if self.telemetry is not None:
@@ -265,31 +287,79 @@ class Session:
     def state_dict(self) -> dict:
         """Everything but the user's model and optimizer, as plain values and tensors (a ``Stateful``).
 
-        Rank-specific parts (random streams, this interval's rows) sit under ``rank<r>``.
+        Rank-specific parts (random streams, this interval's rows; on rank 0
+        the record's counters) sit under ``rank<r>``.
         """
         mine = {"rng": rng_state(self.device), "window": [list(r) for r in self.ledger.rows()]}
+        if self.telemetry is not None:
+            mine["telemetry"] = self.telemetry.state_dict()
         return {"format": STATE_FORMAT, "world_size": self.world_size, "global_batch": self.cfg.global_batch,
                 "steps_done": self.steps_done, "next_step": self.next_step, "train_s": self.clock.at_last_step_s,
                 "loop": self.loop.state_dict(), "schedule": self.schedule.state_dict(),
                 "sampler": self.sampler.state_dict(), f"rank{self.rank}": mine}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (same worker count and global batch; call before training on)."""
+        """Restore :meth:`state_dict` (same global batch; call before training on).
+
+        From another worker count (elastic): the data position, step count and
+        training time carry on; the split starts afresh from the declared speeds
+        for the new workers and the controller relearns them; ranks the old run
+        did not have are seeded from ``(seed, rank)``. The samples of every step
+        do not depend on the split, so the weights still follow the same path.
+        """
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"session state format {state.get('format')!r}; this version reads {STATE_FORMAT}")
-        for key in ("world_size", "global_batch"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"session state of {key} {state[key]} loaded into a session of {getattr(self, key)}")
-        self.loop.load_state_dict(state["loop"])
-        self.schedule.load_state_dict(state["schedule"])
+        if state["global_batch"] != self.global_batch:
+            raise ValueError(f"session state of global batch {state['global_batch']} loaded into a session of "
+                             f"{self.global_batch}: resume with --global-batch {state['global_batch']}")
+        same = int(state["world_size"]) == self.world_size
+        if same:
+            self.loop.load_state_dict(state["loop"])
+            self.schedule.load_state_dict(state["schedule"])
         self.sampler.load_state_dict(state["sampler"])
         self.steps_done, self.next_step = int(state["steps_done"]), int(state["next_step"])
         self.clock.restore(float(state["train_s"]))
         mine = state.get(f"rank{self.rank}")
         if mine is not None:
             load_rng_state(mine["rng"], self.device)
-            self._rng_restored = True
-            self.ledger.resolved = [[float(v) for v in r] for r in mine["window"]]
+            if same:
+                self.ledger.resolved = [[float(v) for v in r] for r in mine["window"]]
+        else:
+            seed_rank(self.cfg.seed, self.rank)
+        self._rng_restored = True
+        self.resumed_from = (self.next_step, int(state["world_size"]))
+        self._telemetry_state = (state.get("rank0") or {}).get("telemetry", {})
+        self._restore_telemetry()
+
+    def _restore_telemetry(self) -> None:
+        if self.telemetry is not None and self.resumed_from is not None and self._telemetry_state is not None:
+            self.telemetry.resume(self._telemetry_state, *self.resumed_from)
+            self._telemetry_state = None
+
+    def save_checkpoint(self, directory: str | Path, *, model: nn.Module | None = None, optimizer=None,
+                        scheduler=None, extra: dict | None = None, keep: int = 3) -> Path | None:
+        """Checkpoint the session and the given objects into ``directory`` (every rank calls it after ``step()``).
+
+        Rank 0 writes ``step-<next step>.pt`` atomically with a checksum and
+        keeps the newest ``keep``; it returns the path (None elsewhere).
+        ``extra``: plain values of your own (epoch counters, best accuracy...).
+        """
+        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        with self.paused():
+            return checkpointing.save(self, directory, objects, keep=keep, extra=extra)
+
+    def load_checkpoint(self, directory: str | Path, *, model: nn.Module | None = None, optimizer=None,
+                        scheduler=None) -> bool:
+        """Resume from the newest intact checkpoint in ``directory``; False (nothing changed) when there is none.
+
+        Call it on every rank after ``wrap_model()`` and ``data_loader()`` and
+        before training. A damaged newest checkpoint is skipped for the one
+        before (a warning). What was saved as ``extra`` is in :attr:`checkpoint_extra`.
+        """
+        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        extra = checkpointing.load(self, directory, objects)
+        self.checkpoint_extra = extra or {}
+        return extra is not None
 
     def release(self) -> None:
         """Give back OS throttles (idempotent); never hides the run's own outcome."""

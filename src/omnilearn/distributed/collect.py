@@ -80,3 +80,41 @@ def disagreements(ctx: DistContext, values: Sequence[int]) -> dict[int, list[int
     table = torch.stack(parts).cpu()
     return {r: [i for i in range(len(values)) if table[r, i] != table[0, i]]
             for r in range(1, ctx.world_size) if not torch.equal(table[r], table[0])}
+
+
+def _sizes(ctx: DistContext, size: int) -> list[int]:
+    mine = torch.tensor([size], dtype=torch.int64, device=ctx.device)
+    parts = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, mine)
+    return [int(p.item()) for p in parts]
+
+
+def gather_bytes(ctx: DistContext, data: bytes) -> list[bytes] | None:
+    """Rank 0 gets every rank's ``data`` (any lengths), in rank order; other ranks get None.
+
+    Raw bytes, not pickled objects: the caller decides how they are read
+    (checkpoint parts are ``torch.save`` output, read back with ``weights_only=True``).
+    """
+    if not ctx.grouped:
+        return [data]
+    sizes = _sizes(ctx, len(data))
+    local = torch.zeros(max(sizes), dtype=torch.uint8, device=ctx.device)
+    local[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(ctx.device) if data else local[:0]
+    parts = [torch.empty_like(local) for _ in range(ctx.world_size)] if ctx.is_main else None
+    dist.gather(local, parts, dst=0)
+    return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, sizes)] if parts is not None else None
+
+
+def broadcast_bytes(ctx: DistContext, data: bytes | None) -> bytes:
+    """Rank 0's ``data`` on every rank (``None`` on rank 0 sends empty bytes); others pass anything."""
+    if not ctx.grouped:
+        return data or b""
+    size = torch.tensor([len(data or b"") if ctx.is_main else 0], dtype=torch.int64, device=ctx.device)
+    dist.broadcast(size, src=0)
+    n = int(size.item())
+    buf = torch.empty(n, dtype=torch.uint8, device=ctx.device)
+    if ctx.is_main and n:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if n:
+        dist.broadcast(buf, src=0)
+    return buf.cpu().numpy().tobytes() if not ctx.is_main else (data or b"")

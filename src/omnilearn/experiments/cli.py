@@ -16,6 +16,7 @@ ends with one ``omnilearn: error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -88,6 +89,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--device", choices=DEVICES, help="auto (default: CUDA if present), cpu or cuda")
     add("--loader-workers", type=int, help="DataLoader worker processes per worker (default 0)")
     add("--timeout-s", type=float, help="seconds before a collective waiting on a dead peer fails (default 300)")
+    add("--heartbeat-s", type=float, help=f"a worker silent this long is reported as hung and the run stops "
+        f"(default {d['heartbeat_s'].default:g})")
+    add("--oversubscribe", action="store_true", help="allow more local processes than 8 per core")
     add("--mode", choices=MODES, help="bsp (default: synchronous, DDP) or asp (asynchronous: a parameter server "
         "besides the --workers)")
     add("--lr-scaling", choices=LR_SCALINGS, help="asp: scale each push's rate by its batch / (B / n) (linear, "
@@ -106,6 +110,13 @@ def _train_parser(sub) -> None:
     add("--speed-schedule", help="'paper' (HL1>2>4>8>8>4>2>1) or a TOML file of [[change]] at_step/at_epoch + speeds")
     add("--controller", choices=CONTROLLERS, help="omnilearn (default, dynamic), static or uniform")
     add("--out", help="run directory (default runs/<timestamp>)")
+    add("--checkpoint-every", type=int, help="steps between checkpoints in RUN_DIR/checkpoints (default "
+        f"{TrainConfig.checkpoint_every}; 0: none; saved at the next control-interval end)")
+    add("--keep-checkpoints", type=int, help=f"checkpoints kept (default {TrainConfig.keep_checkpoints})")
+    add("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, with its "
+        "config.toml (flags override: e.g. another --workers); metrics are appended")
+    add("--max-restarts", type=int, help="local runs: after a worker fails, restart all from the latest checkpoint "
+        "up to this many times (default 0; under torchrun use torchrun --max-restarts)")
     add("--no-plots", dest="plots", action="store_false", help="do not render PNG plots at the end")
 
 
@@ -153,10 +164,46 @@ NOT_CONFIG = ("command", "config", "plots", "quick", "repeats", "target_accuracy
               "block_steps")
 
 
+# What a resumed run may change: how it runs, not what it computes (the weights must follow the same path).
+RESUME_MAY_CHANGE = frozenset({
+    "workers", "speeds", "speed_schedule", "emulator", "containers", "throttle_cpus", "controller", "deadband",
+    "min_batch", "max_batch", "control_interval", "device", "timeout_s", "heartbeat_s", "quiet", "loader_workers",
+    "checkpoint_every", "keep_checkpoints", "resume", "max_restarts", "oversubscribe", "out", "overwrite",
+    "data_dir", "preset", "max_time_s"})
+
+
+def _resumed_run(args: argparse.Namespace) -> dict:
+    """``--resume``: the run's own ``config.toml`` is the config file (flags still override)."""
+    if getattr(args, "config", None):
+        raise ConfigError("--resume takes its settings from the run's config.toml; drop --config (flags still "
+                          "override it)")
+    out = getattr(args, "out", None)
+    if out is None:
+        raise ConfigError("--resume needs --out: the run directory to continue")
+    if not (Path(out) / "config.toml").is_file():
+        raise ConfigError(f"--resume: {out!r} holds no run (no config.toml); check --out, or start a new run "
+                          "without --resume")
+    return load_toml(str(Path(out) / "config.toml"))
+
+
+def _check_resume(cfg: TrainConfig, run_values: dict) -> None:
+    """A resumed run computes what the original did: refuse a changed learning setting, naming it."""
+    original = build(run_values, {})
+    for name in TrainConfig.__dataclass_fields__:
+        if name not in RESUME_MAY_CHANGE and getattr(cfg, name) != getattr(original, name):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {getattr(cfg, name)!r} differs from the run's {getattr(original, name)!r}: a "
+                              f"resumed run keeps what it learns with; drop {flag} (or start a new run)")
+
+
 def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
     values = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
     values.update(overrides)
-    file_values = load_toml(args.config) if getattr(args, "config", None) else {}
+    resumed = _resumed_run(args) if values.get("resume") else None
+    if resumed is not None and values.get("workers", resumed.get("workers")) != resumed.get("workers"):
+        if "speeds" not in values:
+            resumed.pop("speeds", None)  # the old run's speeds were for its worker count
+    file_values = resumed if resumed is not None else load_toml(args.config) if getattr(args, "config", None) else {}
     preset = values.get("preset", file_values.get("preset"))
     if preset is not None:
         preset_values = load_preset(preset)
@@ -179,6 +226,8 @@ def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
     if values.get("mode", file_values.get("mode")) == "asp":
         file_values = {**ASP_DEFAULTS, **file_values}
     cfg = build(file_values, values)
+    if resumed is not None:
+        _check_resume(cfg, resumed)
     local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
     problem = device_problem(cfg.device, local_workers)
     if problem:
@@ -232,20 +281,69 @@ def train(args: argparse.Namespace) -> int:
     cfg = _config(args)
     resolve(cfg, len(workload.check(cfg).train))  # fail fast (data, model, run length) before any process starts
     if launched_by_torchrun():
-        main_rank = os.environ["RANK"] == "0"
-        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if main_rank else Path(cfg.out or ".")
-        launch.run_torchrun([launch.Job(cfg, run_dir)], run_dir if main_rank else None)
-        if main_rank and getattr(args, "plots", True):
-            _plots(run_dir)
-        return 0
-    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
+        return _train_torchrun(cfg, args)
+    if cfg.resume:
+        run_dir = Path(cfg.out)
+    else:
+        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
     server = " + a parameter server (asp)" if cfg.mode == "asp" else ""
     print(f"omnilearn: {cfg.workers} workers{server}, speeds {cfg.speeds}, controller {cfg.controller}, "
           f"global batch {cfg.global_batch}, run directory {run_dir}", flush=True)
-    launch.run_local([launch.Job(cfg, run_dir)], run_dir)
+    restarts = 0
+    while True:
+        try:
+            launch.run_local([launch.Job(cfg, run_dir)], run_dir)
+            break
+        except launch.WorkerFailed as e:
+            if restarts >= cfg.max_restarts or isinstance(e, getattr(launch, "Interrupted", ())):
+                raise
+            restarts += 1
+            kept = _keep_failure_logs(run_dir, restarts)
+            print(f"omnilearn: {e}; restart {restarts} of {cfg.max_restarts} from {_latest_checkpoint(run_dir)} "
+                  f"(logs kept in {kept})", file=sys.stderr, flush=True)
+            cfg = dataclasses.replace(cfg, resume=True)
     if getattr(args, "plots", True):
         _plots(run_dir)
     return 0
+
+
+def _train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    """One rank of a torchrun job; after a restart (``TORCHELASTIC_RESTART_COUNT`` > 0) it resumes the run."""
+    from omnilearn.experiments import launch
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if cfg.max_restarts:
+        raise ConfigError(f"--max-restarts {cfg.max_restarts} restarts local runs; under torchrun use torchrun's "
+                          "own --max-restarts")
+    if cfg.out is None and (restart or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)):
+        raise ConfigError("torchrun --max-restarts needs --out: a restarted rank resumes the run found there")
+    if restart and not cfg.resume:
+        cfg = dataclasses.replace(cfg, resume=True)
+    main_rank = os.environ["RANK"] == "0"
+    if main_rank and not cfg.resume:
+        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
+    else:
+        run_dir = Path(cfg.out or ".")
+    launch.run_torchrun([launch.Job(cfg, run_dir)], run_dir if main_rank else None)
+    if main_rank and getattr(args, "plots", True):
+        _plots(run_dir)
+    return 0
+
+
+def _keep_failure_logs(run_dir: Path, attempt: int) -> Path:
+    """Move the failed attempt's ``error-rank*.log`` to ``RUN_DIR/failures/attempt-<k>/``."""
+    kept = run_dir / "failures" / f"attempt-{attempt}"
+    kept.mkdir(parents=True, exist_ok=True)
+    for log in run_dir.glob("error-rank*.log"):
+        log.replace(kept / log.name)
+    return kept
+
+
+def _latest_checkpoint(run_dir: Path) -> str:
+    from omnilearn.checkpoint import CheckpointStore
+
+    steps = CheckpointStore(run_dir / "checkpoints").steps()
+    return f"the checkpoint of step {steps[-1]}" if steps else "the start (no checkpoint yet)"
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -7,14 +7,29 @@ micro-batches when that is above 1), ``backward()`` weights each
 micro-batch, ``step()`` ends the optimizer step and feeds the controller.
 One evaluation over the test split per epoch.
 
+Checkpoints (``RUN_DIR/checkpoints``, the newest ``--keep-checkpoints``):
+at the first control-interval end at or after every ``--checkpoint-every``
+steps, at the end, and when a stop signal was agreed on (then
+:class:`~omnilearn.stopping.Stopped` is raised). With ``--resume`` the
+newest one is loaded first (model, optimizer, LR schedule, session) and the
+loop goes on from its epoch and step; with no checkpoint yet the run starts
+over (a ``resume`` event at step 0 voids the earlier records).
+
+Fault injection for tests: ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` makes
+that rank SIGKILL itself when it reaches ``step`` in a run that is not a
+resume (so a restarted run goes past it).
+
 Run: ``python -m pytest -q tests/dist/test_bsp.py``
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 from omnilearn.bsp.session import Session
+from omnilearn.stopping import Stopped, reason
 from omnilearn.distributed.group import DistContext
 from omnilearn.experiments import workload
 from omnilearn.experiments.config import TrainConfig
@@ -36,13 +51,23 @@ class BSPTrainer:
         self.model = self.session.wrap_model(workload.build_model(cfg, splits))
         self.opt = workload.make_optimizer(cfg, self.model.parameters())
         self.lr_sched = workload.make_schedule(cfg, self.opt, self.run.total_steps, self.run.steps_per_epoch)
+        self.checkpoints = run_dir / "checkpoints" if run_dir is not None else Path("checkpoints")
+        self.objects = {"model": self.model, "optimizer": self.opt, "scheduler": self.lr_sched}
+        if cfg.resume and not self.session.load_checkpoint(self.checkpoints, **self.objects):
+            self.session.resumed_from = (0, cfg.workers)  # nothing saved yet: start over, voiding earlier records
+            if self.session.telemetry is not None:
+                self.session.telemetry.resume({}, 0, cfg.workers)
+        every = cfg.checkpoint_every
+        self.next_checkpoint = (self.session.next_step // every + 1) * every if every else None
+        self.kill_at = _fault_kill_step(ctx.rank) if not cfg.resume else None
 
     def fit(self) -> dict | None:
         try:
-            for epoch in range(self.run.epochs):
+            for epoch in range(self.session.epoch, self.run.epochs):
                 self.loader.set_epoch(epoch)
                 for batch in self.loader:
                     self._step(batch if self.cfg.accumulation_steps > 1 else [batch])
+                    self._maybe_checkpoint()
                 with self.session.paused():
                     self.session.sync_buffers()
                     loss, accuracy = workload.evaluate(self.session.module, self.test, self.ctx)
@@ -60,3 +85,28 @@ class BSPTrainer:
         self.opt.step()
         self.lr_sched.step()
         self.session.step(lr=lr)
+
+    def _maybe_checkpoint(self) -> None:
+        if self.kill_at is not None and self.session.next_step >= self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        """At an interval end: a due checkpoint, or the final one of an agreed stop (then raise :class:`Stopped`)."""
+        session = self.session
+        if not session.interval_ended:
+            return
+        due = self.next_checkpoint is not None and session.next_step >= self.next_checkpoint
+        if due or session.should_stop:
+            session.save_checkpoint(self.checkpoints, **self.objects, keep=self.cfg.keep_checkpoints)
+            every = self.cfg.checkpoint_every
+            self.next_checkpoint = (session.next_step // every + 1) * every if every else None
+        if session.should_stop:
+            raise Stopped(f"{reason() or 'a stop signal'}: stopped at step {session.next_step} after a checkpoint; "
+                          f"continue with --resume")
+
+
+def _fault_kill_step(rank: int) -> int | None:
+    """The step at which ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` kills this rank, if it names this rank."""
+    spec = os.environ.get("OMNILEARN_FAULT_KILL_AT")
+    if not spec:
+        return None
+    target, _, step = spec.partition(":")
+    return int(step) if int(target) == rank else None

@@ -39,7 +39,34 @@ class Telemetry:
         # Per step: step, ideal_s, measured_s, then per worker batch, compute_s, wait_s (in rank order).
         self.stats = SuffixStats(("max", "sum", "sum") + ("sum",) * (3 * n))
         self.steps_recorded = 0
+        self.steps_before = 0  # steps of earlier attempts (resumed from a checkpoint); not in the statistics
+        self.resumed_at: int | None = None
         self.final_train_loss: float | None = None
+
+    def state_dict(self) -> dict:
+        """What a resumed run's record carries over: counts and the last values, not the step statistics."""
+        events = self.events
+        return {"steps": self.steps_before + self.steps_recorded, "rebalances": events.rebalances,
+                "speed_changes": [[at, list(v)] for at, v in events.speed_changes],
+                "last_eval": dict(events.last_eval),
+                "final_train_loss": self.final_train_loss}
+
+    def resume(self, state: dict, step: int, from_workers: int) -> None:
+        """Carry ``state`` over and write a ``resume`` event: records of steps >= ``step`` before it are void.
+
+        The summary's statistics (balance efficiency, per-worker means) cover
+        the steps trained since this resume; its ``steps`` counts the whole run.
+        """
+        self.steps_before, self.resumed_at = int(state.get("steps", step)), step
+        self.events.rebalances = int(state.get("rebalances", 0))
+        self.events.speed_changes = [(int(at), tuple(v)) for at, v in state.get("speed_changes", [])]
+        self.events.last_eval = dict(state.get("last_eval", {}))
+        self.final_train_loss = state.get("final_train_loss")
+        self.events.write("resume", step=step, workers=self.cfg.workers, from_workers=from_workers,
+                          at=time.time())
+        self.events.flush()
+        self.console.info(f"resumed at step {step} with {self.cfg.workers} workers"
+                          + (f" (checkpoint of {from_workers})" if from_workers != self.cfg.workers else ""))
 
     @property
     def last_eval(self) -> dict:
@@ -119,6 +146,7 @@ class Telemetry:
             f"{summary['samples_per_s']:.0f} samples/s | "
             + (f"test accuracy {accuracy:.2%} | " if accuracy is not None else "")
             + f"{summary['steps']} steps in {wall_s:.1f} s"
+            + (f" (resumed at step {self.resumed_at})" if self.resumed_at is not None else "")
         )
         self.events.report_run_dir(self.cfg.quiet)
         return summary
@@ -126,6 +154,7 @@ class Telemetry:
     def summary(self, wall_s: float, train_s: float) -> dict:
         """The summary of the steps recorded; the last half starts at the ``steps // 2``-th recorded step."""
         steps = self.steps_recorded
+        total = self.steps_before + steps
         half = steps // 2
         first = int(self.stats.record(half)[0])
         stats = self.worker_stats(half)
@@ -133,8 +162,9 @@ class Telemetry:
         _, ideal_sum, measured_sum, *_ = self.stats.since(half)
         declared = self.events.declared_speeds(first)
         return {
-            "steps": steps, "wall_s": wall_s, "train_s": train_s, "wall_step_s": train_s / steps,
-            "samples_per_s": steps * self.cfg.global_batch / train_s,
+            "steps": total, "wall_s": wall_s, "train_s": train_s, "wall_step_s": train_s / total,
+            "samples_per_s": total * self.cfg.global_batch / train_s,
+            "resumed_at_step": self.resumed_at, "steps_since_resume": steps if self.resumed_at is not None else None,
             "final_train_loss": self.final_train_loss, "test_accuracy": self.last_eval.get("test_accuracy"),
             "test_loss": self.last_eval.get("test_loss"), "controller": self.cfg.controller,
             "rebalances": self.events.rebalances, "stats_from_step": first,

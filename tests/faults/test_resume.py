@@ -1,0 +1,133 @@
+"""Checkpoints, exact resume, elastic resume and automatic restarts, with real worker processes.
+
+- A run stopped after its checkpoint at step k and resumed (``--resume``)
+  ends with the weights of a run never stopped: bitwise, when both use the
+  same split (``--controller static``: the split is a function of the
+  declared speeds, not of timings).
+- Resumed with fewer or more workers (elastic) it still ends with the same
+  weights up to float rounding (relative < 1e-5): the samples of a step do
+  not depend on the split. Only the per-worker float sums differ; over long
+  runs those rounding differences can grow (docs/failures.md has figures),
+  so the comparison horizon is short.
+- ``OMNILEARN_FAULT_KILL_AT`` SIGKILLs a worker mid-run; ``--max-restarts 1``
+  restarts the run from its latest checkpoint and it completes with the
+  uninterrupted run's weights; without restarts the launcher fails naming it.
+- The resumed run's metrics are appended after a ``resume`` event, and
+  ``omnilearn report`` reads the run.
+
+Run: ``python -m pytest -q tests/faults/test_resume.py``
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnilearn.checkpoint import CheckpointStore
+from omnilearn.experiments.cli import main
+
+BASE = ("--speeds", "2,1", "--controller", "static", "--max-steps", "30", "--checkpoint-every", "10",
+        "--control-interval", "5", "--global-batch", "256", "--no-plots")
+
+
+def train(out: Path, *flags: str, workers: int = 2) -> int:
+    return main(["train", "--out", str(out), "--workers", str(workers), *BASE, *flags])
+
+
+def rel_diff(a: Path, b: Path) -> float:
+    wa, wb = (torch.load(p / "model.pt", weights_only=True) for p in (a, b))
+    num = sum(((wa[k].double() - wb[k].double()) ** 2).sum() for k in wa) ** 0.5
+    rel = float(num / sum((wa[k].double() ** 2).sum() for k in wa) ** 0.5)
+    print(f"relative weight difference {rel:.3g}")
+    return rel
+
+
+def stopped_at(src: Path, dst: Path, step: int) -> Path:
+    """``src``'s run directory as it was when a run stopped right after its checkpoint of ``step``."""
+    shutil.copytree(src, dst)
+    store = CheckpointStore(dst / "checkpoints")
+    for later in [s for s in store.steps() if s > step]:
+        store.path(later).with_suffix(".json").unlink()
+        store.path(later).unlink()
+    for name in ("model.pt", "summary.json"):
+        (dst / name).unlink()
+    return dst
+
+
+def events(run: Path, kind: str) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == kind]
+
+
+def after_resume(run: Path, kind: str) -> list[dict]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = max(i for i, r in enumerate(records) if r["event"] == "resume")
+    return [r for r in records[last:] if r["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert train(out) == 0
+    return out
+
+
+def test_checkpoints_are_kept_and_complete(uninterrupted):
+    store = CheckpointStore(uninterrupted / "checkpoints")
+    assert store.steps() == [10, 20, 30]
+    step, state = store.load_latest()
+    assert step == 30 and state["session"]["next_step"] == 30
+    assert set(state) >= {"session", "model", "optimizer", "scheduler"}
+    assert state["session"]["rank1"]["rng"]["torch"].dtype == torch.uint8  # every rank's own part is in
+
+
+def test_resume_same_workers_is_exact(uninterrupted, tmp_path):
+    run = stopped_at(uninterrupted, tmp_path / "run", 10)
+    assert main(["train", "--out", str(run), "--resume", "--no-plots"]) == 0
+    assert rel_diff(uninterrupted, run) < 1e-6
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["resumed_at_step"] == 10
+    assert [e["step"] for e in events(run, "resume")] == [10]
+    redone = [e["step"] for e in events(run, "step") if e["rank"] == 0]
+    assert redone.count(15) == 2 and redone.count(5) == 1  # steps after the checkpoint were recorded twice
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_resume_at_another_worker_count(uninterrupted, tmp_path, workers):
+    run = stopped_at(uninterrupted, tmp_path / "run", 10)
+    code = main(["train", "--out", str(run), "--resume", "--workers", str(workers), "--no-plots"])
+    assert code == 0
+    assert rel_diff(uninterrupted, run) < 1e-5
+    resume = events(run, "resume")[-1]
+    assert (resume["step"], resume["workers"], resume["from_workers"]) == (10, workers, 2)
+    assert {e["rank"] for e in after_resume(run, "step")} == set(range(workers))
+
+
+def test_resume_refuses_a_changed_learning_setting(uninterrupted, tmp_path, capsys):
+    run = stopped_at(uninterrupted, tmp_path / "run", 10)
+    assert main(["train", "--out", str(run), "--resume", "--lr", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr 0.2" in err and "differs from the run's 0.05" in err
+    assert not (run / "model.pt").exists()
+
+
+def test_kill9_restarts_from_the_checkpoint(uninterrupted, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "1:17")
+    run = tmp_path / "run"
+    assert train(run, "--max-restarts", "1") == 0
+    err = capsys.readouterr().err
+    assert "restart 1 of 1 from the checkpoint of step 10" in err
+    assert rel_diff(uninterrupted, run) < 1e-6
+    assert [e["step"] for e in events(run, "resume")] == [10]
+    assert (run / "failures" / "attempt-1").is_dir()  # the failed attempt's error logs are kept apart
+
+
+def test_kill9_without_restarts_fails_naming_the_rank(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "1:7")
+    assert train(tmp_path / "run") == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("omnilearn: error: worker rank 1")
