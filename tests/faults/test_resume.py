@@ -21,7 +21,11 @@ Run: ``python -m pytest -q tests/faults/test_resume.py``
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +135,28 @@ def test_kill9_without_restarts_fails_naming_the_rank(tmp_path, monkeypatch, cap
     assert train(tmp_path / "run") == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("omnilearn: error: worker rank 1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_restart_resumes(uninterrupted, tmp_path):
+    """torchrun --max-restarts 1 after a kill -9: the restarted ranks resume from the checkpoint.
+
+    The static rendezvous is the one whose restarts used to fail in gloo's
+    connectFullMesh (stale peer addresses in the agent's store). The c10d
+    rendezvous (``--nnodes 1:2 --rdzv-backend c10d``) works the same but waits
+    out its join timeouts (~80 s here), so it is checked by hand (docs/failures.md).
+    """
+    rdzv = ["--nnodes", "1", "--master-port", str(free_port())]
+    run = tmp_path / "run"
+    env = {**os.environ, "OMNILEARN_FAULT_KILL_AT": "1:17"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", "2", "--max-restarts", "1",
+           "-m", "omnilearn", "train", "--out", str(run), *BASE]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [e["step"] for e in events(run, "resume")] == [10]
+    assert rel_diff(uninterrupted, run) < 1e-6

@@ -7,7 +7,8 @@
   steps beyond the per-chunk aggregates (the old ``Telemetry.rows`` grew by n rows per step).
 - ASP ``ASPLog``: the per-worker "last half" means and maxima equal a brute force over all pushes.
 - ``EventRecorder``: decision events carry ``effective_step``/``predicted_s`` when the decision has them
-  and work without; ``summary.json`` and ``model.pt`` are replaced atomically (no temp file left).
+  and work without; ``summary.json`` and ``model.pt`` are replaced atomically (no temp file left); a resumed
+  recorder appends after a line the crash cut, and the run reads back as one run.
 
 Run: ``python -m pytest -q tests/unit/test_recorder.py``
 """
@@ -249,3 +250,21 @@ def test_console_is_quiet_but_for_the_result_line(tmp_path, capsys):
     telemetry.finish(1.0, 1.0, None)
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "balance efficiency" in out
+
+
+def test_a_resumed_recorder_appends_after_the_crash_and_reads_as_one_run(tmp_path, capsys):
+    first = EventRecorder(tmp_path, quiet=True)
+    for step in range(6):
+        first.write("step", step=step, rank=0, attempt=1)
+    first.flush()
+    first.log.close()  # the crash: no summary; a line cut mid-write is left at the end
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"event":"step","step":6,"ra')
+    second = EventRecorder(tmp_path, quiet=True)  # resumed from the checkpoint of step 4
+    second.write("resume", step=4)
+    for step in range(4, 8):
+        second.write("step", step=step, rank=0, attempt=2)
+    second.finish({"steps": 8})
+    assert [(r["step"], r["attempt"]) for r in read_metrics(tmp_path, "step")] == (
+        [(s, 1) for s in range(4)] + [(s, 2) for s in range(4, 8)])
+    assert "ended in a line cut by a crash" in capsys.readouterr().err

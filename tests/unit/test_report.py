@@ -6,6 +6,10 @@ in ``tmp_path``; the rendered files must be real PNGs. The pure helpers
 on hand-computed values, and unusable directories raise ``ReportError``
 naming the path. ASP runs (``push`` events) and ``bench --mode asp``
 directories get their own PNGs (``omnilearn.experiments.report.asp``).
+A last line cut by a crash is skipped with one warning, a bad line elsewhere
+is an error; a resumed run (``resume`` events) reads as one run, each step
+once: ``replay`` by hand on both modes, and against a simulated run crashed
+and resumed at random points (hypothesis).
 
 Run:  cd /work/main && python -m pytest -q tests/unit/test_report.py
 """
@@ -19,8 +23,11 @@ import sys
 import pytest
 
 from omnilearn.balance.efficiency import StepRow
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from omnilearn.experiments.report.records import (
-    ReportError, load_run, rolling_median, step_ideal_s, training_time_s, weighted_loss,
+    ReportError, load_run, replay, rolling_median, step_ideal_s, training_time_s, weighted_loss,
 )
 from omnilearn.experiments.report.runs import render, render_bench, render_run, write_tensorboard
 
@@ -175,7 +182,8 @@ def test_missing_path(tmp_path):
 
 
 @pytest.mark.parametrize("content, match", [
-    ('{"event": "step", "step": 0\n', "line 1 is not JSON"),
+    ('{"event": "step", "step": 0\n{"event": "eval"}\n', "line 1 is not JSON"),  # a bad line in the middle
+    ('{"event": "step", "step": 0\n', "no step records"),  # the only line is cut: warned about, left out
     ('{"event": "eval", "epoch": 0, "step": 1, "test_accuracy": 0.5}\n', "no step records"),
     ('{"event": "step", "step": 0, "rank": 0}\n', "lacks one of"),
     ("", "no step records"),
@@ -325,3 +333,135 @@ def test_asp_tensorboard_or_a_clear_message(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ReportError, match="pip install tensorboard"):
         write_tensorboard(run_dir, tmp_path / "tb")
+
+
+# ---------------------------------------------------------------- cut lines and resumed runs
+
+def write_records(run_dir, records, tail=""):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return run_dir
+
+
+def test_cut_last_line_is_skipped_with_one_warning(tmp_path, capsys):
+    run_dir = synthetic_run(tmp_path / "run")
+    whole = (run_dir / "metrics.jsonl").read_text()
+    n = len(whole.splitlines()) + 1
+    (run_dir / "metrics.jsonl").write_text(whole + '{"event": "step", "step": 30, "rank": 0, "bat')
+    assert load_run(run_dir).steps == list(range(30))
+    assert_pngs(render(run_dir), run_dir, RUN_PNGS)  # reads it again: no second warning
+    err = capsys.readouterr().err.strip()
+    assert err == f"omnilearn: warning: {run_dir / 'metrics.jsonl'} line {n} is cut; using the {n - 1} lines before it"
+
+
+def test_bad_line_in_the_middle_names_file_and_line(tmp_path):
+    run_dir = synthetic_run(tmp_path / "run")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines[5] = lines[5][:20]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReportError, match=r"metrics.jsonl: line 6 is not JSON") as e:
+        render(run_dir)
+    assert str(run_dir) in str(e.value)
+
+
+def test_cut_line_before_a_resume_is_skipped(tmp_path, capsys):
+    records = [step_record(s, 0, 64, 1000.0, 0.001, 2.0) for s in range(4)]
+    tail = '{"event": "step", "ste\n' + json.dumps({"event": "resume", "step": 2}) + "\n"
+    tail += "".join(json.dumps(step_record(s, 0, 64, 1000.0, 0.001, 1.0)) + "\n" for s in range(2, 6))
+    run_dir = write_records(tmp_path / "run", records, tail)
+    data = load_run(run_dir)
+    assert data.steps == list(range(6)) and data.per_rank["loss"][0] == [2.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    assert "line 5 is cut (the run stopped there and was resumed); skipping it" in capsys.readouterr().err
+
+
+def test_replay_bsp_by_hand():
+    def step(s, attempt):
+        return {"event": "step", "step": s, "rank": 0, "attempt": attempt}
+
+    first = [{"event": "speeds", "step": 0, "speeds": [1, 2]}] + [step(s, 1) for s in range(10)]
+    first += [{"event": "decision", "step": 4, "attempt": 1}, {"event": "decision", "step": 9, "attempt": 1},
+              {"event": "eval", "step": 6, "attempt": 1}, {"event": "eval", "step": 10, "attempt": 1},
+              {"event": "speeds", "step": 6, "speeds": [2, 1]}, {"event": "speeds", "step": 8, "speeds": [1, 1]},
+              {"event": "note"}]
+    second = [{"event": "resume", "step": 6}, {"event": "speeds", "step": 6, "speeds": [2, 1]}]
+    second += [step(s, 2) for s in range(6, 12)] + [{"event": "decision", "step": 9, "attempt": 2}]
+    kept = replay(first + second)
+    assert [(r["step"], r["attempt"]) for r in kept if r["event"] == "step"] == (
+        [(s, 1) for s in range(6)] + [(s, 2) for s in range(6, 12)])
+    assert [(r["step"], r["attempt"]) for r in kept if r["event"] == "decision"] == [(4, 1), (9, 2)]
+    assert [(r["step"], r["attempt"]) for r in kept if r["event"] == "eval"] == [(6, 1)]  # eval 6 was before step 6
+    assert [r["step"] for r in kept if r["event"] == "speeds"] == [0, 6]  # at 6: written again, the new one kept
+    assert kept.index(second[1]) > kept.index(second[0])
+    assert sum(r["event"] in ("note", "resume") for r in kept) == 2
+    again = replay(first + second + [{"event": "eval", "step": 6, "attempt": 2}])  # the resumed run redid eval 6
+    assert [(r["step"], r["attempt"]) for r in again if r["event"] == "eval"] == [(6, 2)]
+
+
+def test_replay_asp_by_hand():
+    def push(v, attempt):
+        return {"event": "push", "version": v, "rank": v % 2, "attempt": attempt}
+
+    first = [{"event": "eval", "version": 0, "step": 0}] + [push(v, 1) for v in range(1, 21)]
+    first += [{"event": "decision", "step": 10}, {"event": "decision", "step": 20},
+              {"event": "eval", "version": 12, "step": 6}, {"event": "speeds", "version": 15, "step": 7}]
+    second = [{"event": "resume", "version": 12, "step": 6}] + [push(v, 2) for v in range(13, 26)]
+    kept = replay(first + second)
+    assert [(r["version"], r["attempt"]) for r in kept if r["event"] == "push"] == (
+        [(v, 1) for v in range(1, 13)] + [(v, 2) for v in range(13, 26)])
+    assert [r["step"] for r in kept if r["event"] == "decision"] == [10]
+    assert [r["version"] for r in kept if r["event"] == "eval"] == [0, 12]
+    assert not [r for r in kept if r["event"] == "speeds"]
+    again = replay(first + second + [{"event": "eval", "version": 12, "step": 6, "attempt": 2}])
+    assert [r.get("attempt") for r in again if r["event"] == "eval"] == [None, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(1, 40), crashes=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=4))
+def test_replay_of_a_crashed_and_resumed_run_is_the_run_once(total, crashes):
+    """Each attempt resumes at a checkpoint no later than where the last one got, and runs until it crashes."""
+    records, done = [], 0
+    for attempt, (checkpoint, crash) in enumerate([*crashes, (total, total)]):
+        start = min(checkpoint, done)
+        if attempt:
+            records.append({"event": "resume", "step": start})
+        end = total if attempt == len(crashes) else min(total, start + crash)
+        for s in range(start, end):
+            records += [{"event": "step", "step": s, "rank": k, "attempt": attempt} for k in range(2)]
+            records.append({"event": "eval", "step": s + 1, "attempt": attempt})
+        done = end
+    kept = replay(records)
+    steps = [(r["step"], r["rank"]) for r in kept if r["event"] == "step"]
+    assert sorted(steps) == [(s, k) for s in range(total) for k in range(2)]  # every step once
+    assert [r["step"] for r in kept if r["event"] == "eval"] == list(range(1, total + 1))
+    last = {}
+    for r in records:
+        if r["event"] == "step":
+            last[r["step"]] = r["attempt"]
+    assert all(r["attempt"] == last[r["step"]] for r in kept if r["event"] == "step")  # the redone one
+
+
+def test_report_of_a_resumed_run_plots_the_whole_run_once(tmp_path):
+    whole = synthetic_run(tmp_path / "whole")
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    before = [r for r in records if r.get("step", 0) < 20 and not (r["event"] == "eval" and r["step"] > 20)]
+    after = [r for r in records if r.get("step", 0) >= 15 and not (r["event"] == "eval" and r["step"] <= 15)]
+    resumed = write_records(tmp_path / "resumed", before + [{"event": "resume", "step": 15}] + after)
+    (resumed / "summary.json").write_text((whole / "summary.json").read_text())
+    a, b = load_run(whole), load_run(resumed)
+    assert b.steps == a.steps == list(range(30))
+    assert [len(rs) for rs in b.rows_by_step] == [3] * 30
+    assert (b.per_rank, b.loss_by_step, b.rebalances) == (a.per_rank, a.loss_by_step, a.rebalances)
+    assert [e["step"] for e in b.evals] == [15, 30] and b.speed_changes == a.speed_changes
+    assert_pngs(render(resumed), resumed, RUN_PNGS)
+
+
+def test_asp_report_of_a_resumed_run_reads_each_push_once(tmp_path):
+    whole = synthetic_asp_run(tmp_path / "whole")
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    crashed = [r for r in records if r.get("version", r.get("step", 0)) <= 100]
+    redone = [r for r in records if r["event"] == "push" and r["version"] > 70]
+    resumed = write_records(tmp_path / "resumed", crashed + [{"event": "resume", "version": 70}] + redone)
+    data = load_asp_run(resumed)
+    assert sorted(p["version"] for ps in data.pushes.values() for p in ps) == list(range(1, 121))
+    assert len(data.rebalances) == 1  # the decision at version 60 was before the checkpoint
+    assert [p.name for p in render(resumed)] == ASP_PNGS

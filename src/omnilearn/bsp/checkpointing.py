@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from omnilearn.checkpoint import CheckpointError, CheckpointStore
 from omnilearn.distributed.collect import broadcast_bytes, gather_bytes
 
-if TYPE_CHECKING:  # pragma: no cover
-    from omnilearn.bsp.session import Session
+Session = Any  # omnilearn.bsp.session.Session, which imports this module
 
 PARTS = ("model", "optimizer", "scheduler")
 
@@ -51,7 +50,7 @@ def from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def _unwrapped(session: "Session", obj: Any) -> Any:
+def _unwrapped(session: Session, obj: Any) -> Any:
     """The user's model rather than its DDP wrapper (same parameters; keys without ``module.``)."""
     return session.module if obj is session.model and session.model is not None else obj
 
@@ -60,7 +59,7 @@ def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
-def save(session: "Session", directory: str | Path, objects: dict[str, Any], *, keep: int = 3,
+def save(session: Session, directory: str | Path, objects: dict[str, Any], *, keep: int = 3,
          extra: dict | None = None, meta: dict | None = None) -> Path | None:
     """Write a checkpoint of the session and ``objects`` (model/optimizer/scheduler); rank 0's path, else None."""
     if not session.interval_ended:
@@ -88,7 +87,7 @@ def save(session: "Session", directory: str | Path, objects: dict[str, Any], *, 
     return path
 
 
-def load(session: "Session", directory: str | Path, objects: dict[str, Any]) -> dict | None:
+def load(session: Session, directory: str | Path, objects: dict[str, Any]) -> dict | None:
     """Load the newest checkpoint into the session and ``objects``; its ``extra`` dict, or None when there is none."""
     data = b""
     if session.is_main:
@@ -102,7 +101,7 @@ def load(session: "Session", directory: str | Path, objects: dict[str, Any]) -> 
     return _apply(session, from_bytes(data), objects)
 
 
-def _apply(session: "Session", state: dict, objects: dict[str, Any]) -> dict:
+def _apply(session: Session, state: dict, objects: dict[str, Any]) -> dict:
     for name, obj in objects.items():
         if obj is None:
             continue

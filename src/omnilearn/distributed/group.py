@@ -3,7 +3,17 @@
 Two ways in, one code path after: ``omnilearn train`` spawns local workers
 that rendezvous through a file store in a private temp directory, and
 ``torchrun`` sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` for
-the ``env://`` rendezvous. gloo on CPU, NCCL when the device is CUDA.
+the rendezvous. gloo on CPU, NCCL when the device is CUDA.
+
+Under torchrun the group's store is made here, not by ``env://``, for one
+reason: with torchrun's static rendezvous (``--nnodes N``, no
+``--rdzv-backend``) the agent's TCPStore outlives a restart, and a
+restarted gloo group read the previous attempt's peer addresses from it
+and failed in ``connectFullMesh`` ("Connection refused"; torch 2.13, also
+with a plain gloo script). Every attempt now keys its group under
+``omnilearn/restart-<TORCHELASTIC_RESTART_COUNT>/`` (a ``PrefixStore``), so
+no attempt reads another's keys. The c10d rendezvous (``--rdzv-backend
+c10d``, ``--standalone``) was never affected; both are tested.
 """
 
 from __future__ import annotations
@@ -84,8 +94,9 @@ def init(
     local_world_size: int,
     device_preference: str,
     timeout_s: float,
-    init_method: str = "env://",
+    init_method: str | None = "env://",
     backend: str | None = None,
+    store: dist.Store | None = None,
 ) -> DistContext:
     """Join the process group and pin this process to its device and CPU share.
 
@@ -103,7 +114,8 @@ def init(
         # Workers share the host's cores: no oversubscription from intra-op threads.
         torch.set_num_threads(max(1, usable_cpus() // local_world_size))
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend, init_method=None if store is not None else init_method, store=store, rank=rank,
+        world_size=world_size, timeout=timedelta(seconds=timeout_s),
     )
     return DistContext(rank, world_size, local_rank, local_world_size, device, backend)
 
@@ -114,15 +126,29 @@ def init_from_torchrun(device_preference: str, timeout_s: float, backend: str | 
     if missing:
         raise RuntimeError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: launch with torchrun, "
                            "or set the rendezvous address of rank 0")
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     return init(
-        int(env["RANK"]),
-        int(env["WORLD_SIZE"]),
+        rank,
+        world_size,
         int(env.get("LOCAL_RANK", 0)),
         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
         device_preference,
         timeout_s,
         backend=backend,
+        store=attempt_store(rank, world_size, timeout_s),
     )
+
+
+def attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The rendezvous store of ``MASTER_ADDR:MASTER_PORT``, keyed by this torchrun attempt.
+
+    torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``), else rank 0 does.
+    """
+    env = os.environ
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=not agent and rank == 0,
+                          timeout=timedelta(seconds=timeout_s), multi_tenant=not agent)
+    return dist.PrefixStore(f"omnilearn/restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def single_process(device_preference: str) -> DistContext:

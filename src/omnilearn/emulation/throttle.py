@@ -13,7 +13,10 @@ The pure share arithmetic (``allocate_cores``, ``core_sets``,
 ``docker_argvs``) and :class:`ThrottleError` live in
 :mod:`omnilearn.emulation.shares`; this module re-exports the names its
 callers use (``ThrottleError``, ``cleanup_run``). Refusals raise
-:class:`ThrottleError` naming the fix. Usage and tests::
+:class:`ThrottleError` naming the fix; :func:`preflight` refuses before any
+worker starts what the workers would hit (too few cores, a cgroup tree that
+cannot take the cpu controller, docker containers missing or stopped;
+tests in ``tests/unit/test_preflight.py``). Usage and tests::
 
     t = make_throttle("cgroup", rank, local_rank, local_world_size, run_id)
     t.apply((6, 6, 4, 32)); ...; t.close()
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 from typing import Protocol, Sequence
@@ -33,8 +37,9 @@ from omnilearn.emulation.cgroups import (CGROUP_FIX, CgroupThrottle, cgroup_root
 from omnilearn.emulation.shares import ThrottleError, allocate_cores, core_sets, docker_argvs
 
 THROTTLES = ("cgroup", "affinity", "docker")
-__all__ = ["THROTTLES", "AffinityThrottle", "DockerThrottle", "Throttle", "ThrottleError", "cleanup_run", "for_run",
-           "make_throttle", "preflight", "run_id"]
+DOCKER_TIMEOUT_S = 30  # preflight's `docker container inspect`
+__all__ = ["THROTTLES", "AffinityThrottle", "DockerThrottle", "Throttle", "ThrottleError", "check_containers",
+           "cleanup_run", "for_run", "make_throttle", "preflight", "run_id"]
 
 
 class Throttle(Protocol):
@@ -124,18 +129,82 @@ class DockerThrottle:
         """Nothing to undo here: the limits live on the containers, which their launcher owns."""
 
 
-def preflight(name: str, local_world_size: int) -> None:
-    """Refuse up front what the OS will refuse anyway (before any run directory is written)."""
+def preflight(name: str, local_world_size: int, containers: Sequence[str] = ()) -> None:
+    """Refuse up front what the OS will refuse anyway (before any run directory is written).
+
+    ``containers`` (docker): each must exist and run, as ``docker update`` needs; cgroup v2: the cpu
+    controller must be delegable below the root (no processes in a non-root group without it).
+    """
     if name == "affinity":
         if not hasattr(os, "sched_getaffinity"):
             raise ThrottleError("affinity backend needs Linux (os.sched_setaffinity); use --emulator delay")
         allocate_cores([1.0] * local_world_size, len(os.sched_getaffinity(0)))
-    elif name == "docker" and shutil.which("docker") is None:
-        raise ThrottleError("docker backend: no `docker` command on PATH; install the Docker CLI or use --emulator delay")
+    elif name == "docker":
+        if shutil.which("docker") is None:
+            raise ThrottleError("docker backend: no `docker` command on PATH; install the Docker CLI or use "
+                                "--emulator delay")
+        if containers:
+            check_containers(containers)
     elif name == "cgroup":
         layout = detect_layout(cgroup_root())
         if not os.access(layout.path, os.W_OK):
             raise ThrottleError(f"cgroup backend: cannot write {layout.path}; {CGROUP_FIX}")
+        if layout.version == 2:
+            _check_delegation(layout.path)
+
+
+def _check_delegation(path: str) -> None:
+    """cgroup v2: ``+cpu`` can be written to ``path``'s ``cgroup.subtree_control`` (what the workers do first)."""
+    control = os.path.join(path, "cgroup.subtree_control")
+    try:
+        with open(control) as f:
+            if "cpu" in f.read().split():
+                return
+    except OSError:
+        return  # not there (a fake tree): creating the groups will say what is wrong
+    if not os.access(control, os.W_OK):
+        raise ThrottleError(f"cgroup backend: cannot write {control} to enable the cpu controller; {CGROUP_FIX}")
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            procs = f.read().split()
+    except OSError:
+        procs = []
+    if procs and os.path.exists(os.path.join(path, "cgroup.type")):  # a non-root group holding processes
+        more = " and more" if len(procs) > 1 else ""
+        raise ThrottleError(f"cgroup backend: {path} holds processes (pid {procs[0]}{more}), so cgroup v2 cannot "
+                            "enable the cpu controller below it (no internal processes); point "
+                            "OMNILEARN_CGROUP_ROOT at an empty delegated cgroup, or use --emulator delay")
+
+
+def check_containers(containers: Sequence[str]) -> None:
+    """Every container exists and runs (one ``docker container inspect``), else a :class:`ThrottleError` naming it."""
+    names = ", ".join(containers)
+    argv = [shutil.which("docker") or "docker", "container", "inspect", "--format", "{{.State.Running}}",
+            *containers]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=DOCKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ThrottleError(f"docker backend: `docker container inspect {names}` did not answer in {DOCKER_TIMEOUT_S} "
+                            "s; check that the Docker daemon runs, or use --emulator delay") from None
+    except OSError as e:
+        raise ThrottleError(f"docker backend: cannot run docker ({e.strerror}); use --emulator delay") from None
+    if p.returncode != 0:
+        missing = [c for c in containers if re.search(rf"No such (container|object): {re.escape(c)}(\s|$)", p.stderr)]
+        if missing:
+            raise ThrottleError(f"docker backend: no container {missing[0]!r} (--containers {','.join(containers)}); "
+                                f"start it or name existing containers")
+        why = (p.stderr.strip().splitlines() or ["(no message)"])[0]
+        raise ThrottleError(f"docker backend: `docker container inspect` exited {p.returncode}: {why}; check that "
+                            "the Docker daemon runs and you may use it, or use --emulator delay")
+    states = p.stdout.split()
+    if len(states) != len(containers):
+        raise ThrottleError(f"docker backend: `docker container inspect {names}` answered {p.stdout.strip()!r}, "
+                            "not one state per container; check the names in --containers")
+    stopped = [c for c, state in zip(containers, states) if state != "true"]
+    if stopped:
+        name = stopped[0]
+        raise ThrottleError(f"docker backend: container {name!r} is not running; `docker start {name}` or name "
+                            "running containers in --containers")
 
 
 def make_throttle(name: str, rank: int, local_rank: int, local_world_size: int, run_id: str,

@@ -28,6 +28,7 @@ from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, LANG
                               dump_toml, load_toml)
 from omnilearn.experiments.datasets.core import DATASETS
 from omnilearn.experiments.zoo.models import MODELS, is_language_model
+from omnilearn.experiments import preflight
 from omnilearn.experiments.presets import load_preset, preset_names
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.balance.controllers import CONTROLLERS
@@ -279,6 +280,12 @@ def train(args: argparse.Namespace) -> int:
     from omnilearn.experiments.workload import resolve
 
     cfg = _config(args)
+    if _torchrun_restart():  # a restarted torchrun rank continues the run in --out, whatever it holds
+        cfg = dataclasses.replace(cfg, resume=True)
+        for check in (preflight.check_processes, preflight.check_emulator, preflight.check_data):
+            check(cfg)
+    else:
+        preflight.check(cfg)  # data layout, emulator, --out, process count: before anything is written or started
     resolve(cfg, len(workload.check(cfg).train))  # fail fast (data, model, run length) before any process starts
     if launched_by_torchrun():
         return _train_torchrun(cfg, args)
@@ -311,14 +318,12 @@ def _train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
     """One rank of a torchrun job; after a restart (``TORCHELASTIC_RESTART_COUNT`` > 0) it resumes the run."""
     from omnilearn.experiments import launch
 
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restart = _torchrun_restart()
     if cfg.max_restarts:
         raise ConfigError(f"--max-restarts {cfg.max_restarts} restarts local runs; under torchrun use torchrun's "
                           "own --max-restarts")
     if cfg.out is None and (restart or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)):
         raise ConfigError("torchrun --max-restarts needs --out: a restarted rank resumes the run found there")
-    if restart and not cfg.resume:
-        cfg = dataclasses.replace(cfg, resume=True)
     main_rank = os.environ["RANK"] == "0"
     if main_rank and not cfg.resume:
         run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
@@ -328,6 +333,11 @@ def _train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
     if main_rank and getattr(args, "plots", True):
         _plots(run_dir)
     return 0
+
+
+def _torchrun_restart() -> int:
+    """How many times torchrun restarted this job's ranks (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if launched_by_torchrun() else 0
 
 
 def _keep_failure_logs(run_dir: Path, attempt: int) -> Path:

@@ -71,8 +71,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OMNILEARN_CACHE", Path.home() / ".cache" / "omnilearn"))
 
 
+def mnist1d_cache() -> Path:
+    """Where mnist1d is cached once generated (the preflight checks its folder is writable until then)."""
+    return cache_dir() / f"mnist1d-{MNIST1D_SAMPLES}-seed{MNIST1D_DATA_SEED}.npz"
+
+
 def _mnist1d_arrays() -> dict[str, np.ndarray]:
-    path = cache_dir() / f"mnist1d-{MNIST1D_SAMPLES}-seed{MNIST1D_DATA_SEED}.npz"
+    path = mnist1d_cache()
     if path.exists():
         with np.load(path) as f:
             return {k: f[k] for k in f.files}

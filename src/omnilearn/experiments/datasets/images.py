@@ -21,6 +21,11 @@ relative to the split root), so nested Places365-style ``a/airfield`` trees work
 entries and non-image files (by extension) are ignored. Note: pickles can run code; only
 load CIFAR files from the official archive.
 
+Up-front checks (:mod:`omnilearn.experiments.preflight`, before any worker starts):
+:func:`cifar_root` finds the batch files without reading them; :func:`check_imagefolder`
+scans the tree and decodes a sample (first and last image of each class), since images
+are otherwise decoded only inside the workers, after they started.
+
 Tests:  python -m pytest -q tests/unit/test_data.py
 """
 
@@ -40,6 +45,7 @@ from omnilearn.experiments.datasets.base import DataError, Splits
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp"})
 TEST_FRACTION = 0.2
+CHECK_IMAGES = 256  # images check_imagefolder decodes at most
 Pairs = list[tuple[str, int]]  # (image file, class index)
 STATS = {  # per-channel mean, std of pixel values in [0, 1]
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
@@ -184,14 +190,24 @@ def _read_cifar(name: str, path: Path, label_key: str, classes: int) -> tuple[np
     return x.reshape(-1, 3, 32, 32), y.astype(np.int64)
 
 
-def load_cifar(name: str, data_dir: str | None, augment: bool, seed: int) -> Splits:
-    """CIFAR-10/100 from the extracted python-pickle folder (or the folder that contains it)."""
-    folder, train_files, test_files, label_key, classes, what = CIFAR[name]
+def cifar_root(name: str, data_dir: str | None) -> Path:
+    """The folder holding CIFAR ``name``'s batch files (``data_dir`` or its ``cifar-*`` child); no file is read."""
+    folder, train_files, test_files, _, _, what = CIFAR[name]
     expected = f"the extracted '{folder}' folder from {CIFAR_URL} (python version)"
     path = _dir(name, data_dir, expected)
     root = next((p for p in (path, path / folder) if all((p / f).is_file() for f in train_files + test_files)), None)
     if root is None:
         raise DataError(f"{name}: {path} has no {what}; pass --data-dir pointing at {expected}")
+    unreadable = next((root / f for f in train_files + test_files if not os.access(root / f, os.R_OK)), None)
+    if unreadable is not None:
+        raise DataError(f"{name}: cannot read {unreadable} (permission denied); fix its permissions")
+    return root
+
+
+def load_cifar(name: str, data_dir: str | None, augment: bool, seed: int) -> Splits:
+    """CIFAR-10/100 from the extracted python-pickle folder (or the folder that contains it)."""
+    _, train_files, test_files, label_key, classes, _ = CIFAR[name]
+    root = cifar_root(name, data_dir)
 
     def read(files: list[str], train: bool) -> UInt8Images:
         parts = [_read_cifar(name, root / f, label_key, classes) for f in files]
@@ -278,8 +294,7 @@ def folder_split(root: Path, seed: int) -> tuple[Pairs, Pairs, list[str]]:
     return train, test, list(by_class)
 
 
-def load_imagefolder(data_dir: str | None, size: int, augment: bool, seed: int) -> Splits:
-    """A class-per-folder image tree (Food-101, Caltech-256, Places365 style), decoded lazily."""
+def _imagefolder_split(data_dir: str | None, seed: int) -> tuple[Path, Pairs, Pairs, list[str]]:
     expected = "a folder of <class>/<image> subfolders (or train/ and test/ or val/ of them, or Food-101)"
     root = _dir("imagefolder", data_dir, expected)
     _pil()
@@ -287,5 +302,44 @@ def load_imagefolder(data_dir: str | None, size: int, augment: bool, seed: int) 
     if len(classes) < 2 or not train or not test:
         raise DataError(f"imagefolder: {root} has {len(classes)} classes, {len(train)} train and {len(test)} test "
                         f"images (.jpg .jpeg .png .bmp .gif .webp); expected {expected} with 2+ classes")
+    return root, train, test, classes
+
+
+def decode_sample(pairs: Pairs, limit: int = CHECK_IMAGES) -> list[str]:
+    """The files a check decodes: the first and last file of every class, at most ``limit`` spread evenly."""
+    by_class: dict[int, list[str]] = {}
+    for f, c in pairs:
+        by_class.setdefault(c, []).append(f)
+    files = list(dict.fromkeys(f for fs in by_class.values() for f in (min(fs), max(fs))))
+    if len(files) > limit:
+        files = [files[i * len(files) // limit] for i in range(limit)]
+    return files
+
+
+def check_imagefolder(data_dir: str | None, size: int, seed: int) -> int:
+    """What workers would hit later, now: the layout, and a sample of images decodes; the number decoded.
+
+    Catches a tree of undecodable files (Git LFS pointers, HTML error pages, unreadable files, a cut
+    extraction: the last file of a class) in about a second; a single bad file among many still shows
+    when a worker reaches it.
+    """
+    _, train, test, _ = _imagefolder_split(data_dir, seed)
+    files = decode_sample(train + test)
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(64)
+        except OSError as e:
+            raise DataError(f"imagefolder: cannot read image {path} ({e.strerror}); fix its permissions") from None
+        if head.startswith(b"version https://git-lfs"):
+            raise DataError(f"imagefolder: {path} is a Git LFS pointer, not an image; run `git lfs pull` "
+                            "in the data repository")
+        decode(path, size)
+    return len(files)
+
+
+def load_imagefolder(data_dir: str | None, size: int, augment: bool, seed: int) -> Splits:
+    """A class-per-folder image tree (Food-101, Caltech-256, Places365 style), decoded lazily."""
+    root, train, test, classes = _imagefolder_split(data_dir, seed)
     return Splits(ImageFiles(train, size, augment, seed), ImageFiles(test, size, False, seed),
                   len(classes), (3, size, size), f"imagefolder: {root}, {len(classes)} classes")

@@ -15,6 +15,7 @@ files until 2 MiB, cut to exactly 2 MiB; the files used are listed in ``splits.t
 The first 90% of bytes train and the last 10% test (contiguous, so no overlap). Sample i of a
 split is the window of seq_len + 1 bytes starting at byte i * seq_len: x is its first seq_len
 bytes, y the last seq_len (x shifted by one), so consecutive windows share one byte.
+:func:`check_text` checks a corpus from file sizes alone, before any worker starts.
 
 Tests:  python -m pytest -q tests/unit/test_data.py
 """
@@ -109,6 +110,26 @@ def _read(files: list[Path]) -> bytes:
         raise DataError(f"text: cannot read {e.filename} ({e.strerror})") from None
 
 
+def check_size(n_bytes: int, seq_len: int, data_dir: str | None) -> None:
+    """Refuse a corpus of ``n_bytes`` too short for ``MIN_WINDOWS`` windows of ``seq_len`` in each split."""
+    cut = int(n_bytes * (1 - TEST_FRACTION))
+    need = int((MIN_WINDOWS * seq_len + 1) / TEST_FRACTION) + 1
+    if (n_bytes - cut - 1) // seq_len < MIN_WINDOWS or (cut - 1) // seq_len < MIN_WINDOWS:
+        raise DataError(f"text: corpus {data_dir or 'default'} has {n_bytes:,} bytes; seq_len {seq_len} needs "
+                        f"at least {need:,} so the last 10% holds {MIN_WINDOWS} test windows")
+
+
+def check_text(data_dir: str | None, seq_len: int) -> None:
+    """The corpus files exist, are readable and long enough, from their sizes alone (nothing is read)."""
+    if data_dir is None:
+        return  # the default corpus: the standard library's own sources
+    files = corpus_files(Path(data_dir).expanduser())
+    unreadable = next((p for p in files if not os.access(p, os.R_OK)), None)
+    if unreadable is not None:
+        raise DataError(f"text: cannot read {unreadable} (permission denied); fix its permissions")
+    check_size(sum(p.stat().st_size for p in files), seq_len, data_dir)
+
+
 def load_text(data_dir: str | None, seq_len: int) -> Splits:
     """Byte corpus from a file, a folder, or (None) the default stdlib corpus, split 90/10 contiguously."""
     if data_dir is None:
@@ -119,11 +140,8 @@ def load_text(data_dir: str | None, seq_len: int) -> Splits:
         files = corpus_files(path)
         corpus = _read(files)
         where = f"{len(corpus):,} bytes of {len(files)} file(s) from {path}"
+    check_size(len(corpus), seq_len, data_dir)
     cut = int(len(corpus) * (1 - TEST_FRACTION))
-    need = int((MIN_WINDOWS * seq_len + 1) / TEST_FRACTION) + 1
-    if (len(corpus) - cut - 1) // seq_len < MIN_WINDOWS or (cut - 1) // seq_len < MIN_WINDOWS:
-        raise DataError(f"text: corpus {data_dir or 'default'} has {len(corpus):,} bytes; seq_len {seq_len} needs "
-                        f"at least {need:,} so the last 10% holds {MIN_WINDOWS} test windows")
     data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
     names = tuple(str(p) for p in files)
     return Splits(ByteWindows(data[:cut], seq_len, names), ByteWindows(data[cut:], seq_len, names),

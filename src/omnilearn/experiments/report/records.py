@@ -8,6 +8,10 @@ none of them. Usage::
     data = load_run(Path("runs/demo"))        # RunData: per-step, per-rank series
     settings, results = load_bench(Path("runs/bench"))
 
+``metrics.jsonl`` is read through :func:`read_jsonl`: a last line cut by a
+crash is skipped with a warning, and a resumed run reads as one run (each
+step once, what the resumed run redid replaced: :func:`replay`).
+
 Run its tests:  python -m pytest -q tests/unit/test_report.py
 """
 
@@ -21,10 +25,13 @@ from statistics import median
 from typing import Any, Sequence
 
 from omnilearn.balance.efficiency import StepRow, ideal_step_s
+from omnilearn.observe.rundir import RunDirError, parse_jsonl, replay  # replay: re-exported, every reader's rule
 
 NAN = float("nan")
 STEP_FIELDS = ("step", "rank", "batch", "compute_s", "wait_s", "step_s")
 WINDOW = 5  # steps (pushes) in the rolling medians of the plots
+
+
 class ReportError(ValueError):
     """The directory or its files cannot be drawn."""
 
@@ -85,20 +92,17 @@ def mean_step_s(rows: Sequence[StepRow]) -> float:
 # ---------------------------------------------------------------- reading
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a ``.jsonl`` file; a bad line raises :class:`ReportError` naming it."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ReportError(f"{path}: line {n} is not JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ReportError(f"{path}: line {n} is not a JSON object")
-            records.append(rec)
-    return records
+    """The records of a run's ``metrics.jsonl`` as the run stands; a bad line raises :class:`ReportError` naming it.
+
+    Every reader here and in :mod:`.aspruns` / :mod:`.asp` comes through this: a last line cut by a crash is
+    left out with one warning (:func:`omnilearn.observe.rundir.parse_jsonl`), and of a resumed run only the
+    records the resumed run did not redo are kept (:func:`replay`, the one rule the library's
+    ``read_metrics`` follows too), so each step is read once.
+    """
+    try:
+        return replay(parse_jsonl(path))
+    except RunDirError as e:
+        raise ReportError(str(e)) from None
 
 
 def _step_rows(path: Path, records: list[dict[str, Any]]) -> tuple[list[StepRow], dict[tuple[int, int], float]]:
