@@ -160,3 +160,15 @@ def test_torchrun_restart_resumes(uninterrupted, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert [e["step"] for e in events(run, "resume")] == [10]
     assert rel_diff(uninterrupted, run) < 1e-6
+
+
+def test_a_corrupt_latest_checkpoint_falls_back(uninterrupted, tmp_path, capfd):
+    run = stopped_at(uninterrupted, tmp_path / "run", 20)
+    latest = CheckpointStore(run / "checkpoints").path(20)
+    data = bytearray(latest.read_bytes())
+    data[len(data) // 3] ^= 0x55
+    latest.write_bytes(bytes(data))
+    assert main(["train", "--out", str(run), "--resume", "--no-plots"]) == 0
+    assert "step-000000020.pt is damaged: its checksum does not match" in capfd.readouterr().err
+    assert [e["step"] for e in events(run, "resume")] == [10]
+    assert rel_diff(uninterrupted, run) < 1e-6

@@ -69,7 +69,7 @@ from omnilearn.bsp import checkpointing
 from omnilearn.bsp.interval import SYNC_BUFFERS, check_same_settings, end_window, meet
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp.micro import MicroSteps
-from omnilearn.bsp.rng import load_rng_state, rng_state, seed_rank
+from omnilearn.bsp.rng import load_rng_state, rank_seed, rng_state, seed_rank
 from omnilearn.bsp.steps import ROW_FIELDS, StepLedger
 from omnilearn.bsp.wrap import wrap
 from omnilearn.config import BalanceConfig, ConfigError
@@ -176,8 +176,11 @@ class Session:
         self.sampler.use_plan(GlobalPlan(len(dataset), self.cfg.global_batch, self.cfg.seed))
         if collate_fn is None and getattr(dataset, "returns_batches", False):
             collate_fn = keep_batch
+        # Its own generator: making an iterator (each epoch, and after a resume mid-epoch) then draws no number
+        # from the global stream that dropout and augmentation use, so a resumed run draws what an unstopped one does.
+        generator = torch.Generator().manual_seed(rank_seed(self.cfg.seed, self.rank))
         loader = DataLoader(
-            dataset, batch_sampler=self.sampler, collate_fn=collate_fn, num_workers=num_workers,
+            dataset, batch_sampler=self.sampler, collate_fn=collate_fn, num_workers=num_workers, generator=generator,
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
         )
