@@ -20,6 +20,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -33,6 +34,7 @@ from omnilearn.experiments.presets import load_preset, preset_names
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.balance.controllers import CONTROLLERS
 from omnilearn.distributed.group import device_problem, launched_by_torchrun, torchrun_world_size
+from omnilearn.observe.recorder import FAILED_AT_ENV
 from omnilearn.observe.rundir import RunDirError, prepare
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -309,6 +311,7 @@ def train(args: argparse.Namespace) -> int:
             print(f"omnilearn: {e}; restart {restarts} of {cfg.max_restarts} from {_latest_checkpoint(run_dir)} "
                   f"(logs kept in {kept})", file=sys.stderr, flush=True)
             cfg = dataclasses.replace(cfg, resume=True)
+            os.environ[FAILED_AT_ENV] = f"{time.time():.6f}"  # the resumed run reports the time it took
     if getattr(args, "plots", True):
         _plots(run_dir)
     return 0
@@ -357,7 +360,6 @@ def _latest_checkpoint(run_dir: Path) -> str:
 
 
 def bench(args: argparse.Namespace) -> int:
-    import time
 
     from omnilearn.experiments import bench as bench_mod
     from omnilearn.experiments.benchstats import markdown_table

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 from omnilearn.bsp.session import Session
@@ -53,13 +54,21 @@ class BSPTrainer:
         self.lr_sched = workload.make_schedule(cfg, self.opt, self.run.total_steps, self.run.steps_per_epoch)
         self.checkpoints = run_dir / "checkpoints" if run_dir is not None else Path("checkpoints")
         self.objects = {"model": self.model, "optimizer": self.opt, "scheduler": self.lr_sched}
-        if cfg.resume and not self.session.load_checkpoint(self.checkpoints, **self.objects):
+        if cfg.resume and not self._resume():
             self.session.resumed_from = (0, cfg.workers)  # nothing saved yet: start over, voiding earlier records
             if self.session.telemetry is not None:
                 self.session.telemetry.resume({}, 0, cfg.workers)
         every = cfg.checkpoint_every
         self.next_checkpoint = (self.session.next_step // every + 1) * every if every else None
         self.kill_at = _fault_kill_step(ctx.rank) if not cfg.resume else None
+
+    def _resume(self) -> bool:
+        """Load the newest checkpoint (False: none); rank 0 records how long the load took."""
+        start = time.perf_counter()
+        loaded = self.session.load_checkpoint(self.checkpoints, **self.objects)
+        if loaded and self.session.telemetry is not None:
+            self.session.telemetry.loaded(time.perf_counter() - start)
+        return loaded
 
     def fit(self) -> dict | None:
         try:
@@ -95,7 +104,10 @@ class BSPTrainer:
             return
         due = self.next_checkpoint is not None and session.next_step >= self.next_checkpoint
         if due or session.should_stop:
-            session.save_checkpoint(self.checkpoints, **self.objects, keep=self.cfg.keep_checkpoints)
+            start = time.perf_counter()
+            path = session.save_checkpoint(self.checkpoints, **self.objects, keep=self.cfg.keep_checkpoints)
+            if session.telemetry is not None and path is not None:
+                session.telemetry.checkpoint(session.next_step, path.stat().st_size, time.perf_counter() - start)
             every = self.cfg.checkpoint_every
             self.next_checkpoint = (session.next_step // every + 1) * every if every else None
         if session.should_stop:

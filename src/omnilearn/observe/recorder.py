@@ -15,6 +15,7 @@ Run its tests: ``python -m pytest -q tests/unit/test_recorder.py``
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from statistics import fmean
@@ -27,6 +28,7 @@ from omnilearn.observe.events import EventRecorder
 from omnilearn.observe.suffix import SuffixStats
 from omnilearn.runplan import RunPlan
 
+FAILED_AT_ENV = "OMNILEARN_FAILED_AT"  # set by the launcher's restart loop: when the failed attempt ended
 ROW_FIELDS = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "lr")
 
 
@@ -41,6 +43,8 @@ class Telemetry:
         self.steps_recorded = 0
         self.steps_before = 0  # steps of earlier attempts (resumed from a checkpoint); not in the statistics
         self.resumed_at: int | None = None
+        self.checkpoint_costs: list[float] = []  # seconds per save in this attempt (a few per run)
+        self.checkpoint_bytes: int | None = None
         self.final_train_loss: float | None = None
 
     def state_dict(self) -> dict:
@@ -62,11 +66,23 @@ class Telemetry:
         self.events.speed_changes = [(int(at), tuple(v)) for at, v in state.get("speed_changes", [])]
         self.events.last_eval = dict(state.get("last_eval", {}))
         self.final_train_loss = state.get("final_train_loss")
-        self.events.write("resume", step=step, workers=self.cfg.workers, from_workers=from_workers,
-                          at=time.time())
+        now = time.time()
+        failed_at = os.environ.get(FAILED_AT_ENV)
+        self.events.write("resume", step=step, workers=self.cfg.workers, from_workers=from_workers, at=now,
+                          since_failure_s=now - float(failed_at) if failed_at else None)
         self.events.flush()
         self.console.info(f"resumed at step {step} with {self.cfg.workers} workers"
                           + (f" (checkpoint of {from_workers})" if from_workers != self.cfg.workers else ""))
+
+    def loaded(self, load_s: float) -> None:
+        """How long loading the checkpoint took (after the ``resume`` event)."""
+        self.events.write("checkpoint_loaded", load_s=load_s)
+
+    def checkpoint(self, step: int, size: int, save_s: float) -> None:
+        """A checkpoint written at ``step``: its bytes and the seconds the save cost (every rank waited)."""
+        self.events.write("checkpoint", step=step, bytes=size, save_s=save_s)
+        self.checkpoint_costs.append(save_s)
+        self.checkpoint_bytes = size
 
     @property
     def last_eval(self) -> dict:
@@ -164,7 +180,9 @@ class Telemetry:
         return {
             "steps": total, "wall_s": wall_s, "train_s": train_s, "wall_step_s": train_s / total,
             "samples_per_s": total * self.cfg.global_batch / train_s,
-            "resumed_at_step": self.resumed_at, "steps_since_resume": steps if self.resumed_at is not None else None,
+            "resumed_at_step": self.resumed_at,
+            "checkpoints": {"saved": len(self.checkpoint_costs), "bytes": self.checkpoint_bytes,
+                            "mean_save_s": fmean(self.checkpoint_costs) if self.checkpoint_costs else None}, "steps_since_resume": steps if self.resumed_at is not None else None,
             "final_train_loss": self.final_train_loss, "test_accuracy": self.last_eval.get("test_accuracy"),
             "test_loss": self.last_eval.get("test_loss"), "controller": self.cfg.controller,
             "rebalances": self.events.rebalances, "stats_from_step": first,
