@@ -360,7 +360,6 @@ def _latest_checkpoint(run_dir: Path) -> str:
 
 
 def bench(args: argparse.Namespace) -> int:
-
     from omnilearn.experiments import bench as bench_mod
     from omnilearn.experiments.benchstats import markdown_table
 
