@@ -17,7 +17,8 @@ over (a ``resume`` event at step 0 voids the earlier records).
 
 Fault injection for tests: ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` makes
 that rank SIGKILL itself when it reaches ``step`` in a run that is not a
-resume (so a restarted run goes past it).
+resume (so a restarted run goes past it); with ``OMNILEARN_FAULT_STAMP=<file>``
+it first writes the time into that file (:mod:`omnilearn.experiments.faultbench`).
 
 Run: ``python -m pytest -q tests/dist/test_bsp.py``
 """
@@ -97,6 +98,9 @@ class BSPTrainer:
 
     def _maybe_checkpoint(self) -> None:
         if self.kill_at is not None and self.session.next_step >= self.kill_at:
+            stamp = os.environ.get("OMNILEARN_FAULT_STAMP")  # when it died, for faultbench's time to resume
+            if stamp:
+                Path(stamp).write_text(f"{time.time():.6f}")
             os.kill(os.getpid(), signal.SIGKILL)
         """At an interval end: a due checkpoint, or the final one of an agreed stop (then raise :class:`Stopped`)."""
         session = self.session
