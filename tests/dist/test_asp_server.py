@@ -1,4 +1,7 @@
-"""ASP with a parameter server over gloo: exact scaled SGD, staleness, coverage, dead workers, control, evaluation.
+"""ASP with a parameter server over gloo: exact scaled SGD, staleness, coverage, hung workers, control, evaluation.
+
+A hung worker (alive, silent) is dropped after ``--heartbeat-s`` and the other finishes; with every worker hung
+the run fails in one line naming each (killed workers and a killed server: ``tests/faults/test_asp_faults.py``).
 
 Also: the controller sees a slowdown after a long steady phase within two
 control intervals (driven push by push, and in a real run with a speed
@@ -67,19 +70,23 @@ def test_asp_run_accounts_staleness_and_covers_the_data(tmp_path):
     # Every dealt sample is pushed except those still in flight when the run stopped (one batch per worker).
     in_flight = summary["samples_dealt"] - sum(p["batch"] for p in pushes)
     assert 0 <= in_flight <= 3 * 192
+    assert summary["repeated_samples"] == 0 and sum(summary["samples_per_epoch"]) == sum(p["batch"] for p in pushes)
+    assert summary["dropped"] == [] and summary["steps"] == 60
     assert summary["rebalances"] >= 1 and summary["test_accuracy"] is not None
     assert read_metrics(out, "eval")
 
 
-def _server_or_worker(rank: int, store: str, out: str, hang_rank: int) -> None:
+def _server_or_worker(rank: int, store: str, out: str, hang_ranks: tuple[int, ...]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
-    cfg = TrainConfig(mode="asp", workers=2, speeds="1,1", global_batch=64, max_steps=10_000, timeout_s=4.0)
+    cfg = TrainConfig(mode="asp", workers=2, speeds="1,1", global_batch=64, max_steps=60, timeout_s=60.0,
+                      heartbeat_s=3.0, lr_schedule="constant", quiet=True)
     ctx = DistContext(rank, 3, rank, 3, torch.device("cpu"), "gloo")
     start = time.perf_counter()
     try:
         if rank == 0:
-            build_server(cfg, None).serve()
-        elif rank == hang_rank:
+            summary = build_server(cfg, Path(out)).serve()
+            Path(out, "result.json").write_text(json.dumps(summary))
+        elif rank in hang_ranks:
             link = build_worker(cfg, ctx).link
             link.request(HELLO, 0, 0, 0.0, 0.0, 0.0)
             time.sleep(60)  # alive but silent: a hung worker
@@ -89,19 +96,34 @@ def _server_or_worker(rank: int, store: str, out: str, hang_rank: int) -> None:
         Path(out, f"rank{rank}.txt").write_text(f"{time.perf_counter() - start:.1f} {e}")
 
 
-def test_a_hung_worker_stops_the_server_with_its_rank_named(tmp_path):
-    ctx = mp.start_processes(_server_or_worker, args=(str(tmp_path / "store"), str(tmp_path), 2), nprocs=3,
+def _run_with_hung(tmp_path: Path, hang_ranks: tuple[int, ...], wait_for: list[str]) -> None:
+    ctx = mp.start_processes(_server_or_worker, args=(str(tmp_path / "store"), str(tmp_path), hang_ranks), nprocs=3,
                              join=False, start_method="spawn")
-    deadline = time.time() + 60
-    files = [tmp_path / "rank0.txt", tmp_path / "rank1.txt"]
-    while not all(f.exists() for f in files) and time.time() < deadline:
+    deadline = time.time() + 90
+    while not all((tmp_path / f).exists() for f in wait_for) and time.time() < deadline:
         time.sleep(0.5)
     for p in ctx.processes:
         p.terminate()
-    seconds, message = files[0].read_text().split(" ", 1)
-    assert "worker rank 2 sent nothing" in message and "--timeout-s 4" in message
-    assert float(seconds) < 40  # 4 s of silence, plus start-up on a busy 2-core host
-    assert files[1].exists()  # the live worker does not hang either: it loses the server and stops
+
+
+def test_a_hung_worker_is_dropped_named_and_the_other_finishes(tmp_path):
+    _run_with_hung(tmp_path, (2,), ["result.json"])
+    summary = json.loads((tmp_path / "result.json").read_text())
+    (drop,) = read_metrics(tmp_path, "drop")
+    assert drop["rank"] == 1 and "sent nothing for" in drop["reason"] and "--heartbeat-s 3" in drop["reason"]
+    assert drop["redealt"] > 0 and drop["batches"] == [64]  # what it held is dealt again; its share moves over
+    assert summary["dropped"][0]["rank"] == 1 and summary["repeated_samples"] == 0
+    assert summary["workers"][1]["updates"] == 0 and summary["workers"][0]["updates"] > 0
+    assert not (tmp_path / "rank1.txt").exists()  # the live worker finished normally
+
+
+def test_with_every_worker_hung_the_run_fails_naming_each(tmp_path):
+    _run_with_hung(tmp_path, (1, 2), ["rank0.txt"])
+    seconds, message = (tmp_path / "rank0.txt").read_text().split(" ", 1)
+    assert message.startswith("all 2 workers are gone") and "\n" not in message
+    assert "worker rank 1 sent nothing for" in message and "worker rank 2 sent nothing for" in message
+    assert "--heartbeat-s 3" in message and "--resume" in message
+    assert float(seconds) < 40  # 3 s of silence, plus start-up on a busy 2-core host
 
 
 def test_torchrun_rank_zero_is_the_server(tmp_path):

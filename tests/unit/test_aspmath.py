@@ -1,4 +1,6 @@
-"""ASP rules: data coverage of the dealer, per-push rate, staleness, liveness, training clock, settings, control.
+"""ASP rules: data coverage of the dealer (also with indices taken back and dealt again), per-push rate,
+staleness, liveness (allowances, how long the server may wait), training clock, settings, control (also after a
+worker is dropped), state round trips, the fault-injection variable.
 
 Run: ``python -m pytest -q tests/unit/test_aspmath.py``.
 """
@@ -9,10 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import random
+
 from omnilearn.asp.control import PushControl
-from omnilearn.asp.rules import IndexDealer, Liveness, Staleness, push_lr
+from omnilearn.asp.faults import ENV, KillPoint, kill_point
+from omnilearn.asp.rules import Coverage, IndexDealer, Liveness, Staleness, push_lr
 from omnilearn.asp.settings import ASPSettings
-from omnilearn.balance.allocation import Bounds
+from omnilearn.balance.allocation import Bounds, proportional_split
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.config import ConfigError
@@ -67,14 +72,122 @@ def test_staleness_is_server_version_minus_pulled_version():
         s.record(0, server_version=3, pulled_version=4)
 
 
-def test_liveness_names_the_quietest_worker_past_the_timeout():
-    live = Liveness(3, timeout_s=5.0)
+def test_liveness_allows_start_up_then_heartbeats_and_bounds_the_wait():
+    live = Liveness(3, timeout_s=30.0, heartbeat_s=5.0)
     live.start(100.0)
     live.heard(0, 103.0)
     live.heard(2, 104.0)
-    assert live.quietest(104.0, set()) == (1, 4.0) and live.silent(104.0, set()) is None
-    assert live.silent(105.5, set()) == (1, 5.5)
-    assert live.silent(105.5, {1}) is None and live.quietest(105.5, {0, 1, 2}) is None
+    assert [live.allowance_s(w) for w in range(3)] == [5.0, 30.0, 5.0]  # worker 1 has not spoken: start-up
+    assert live.overdue(108.5, {0, 1, 2}) == [(0, 5.5)]
+    assert live.overdue(131.0, {0, 1, 2}) == [(0, 28.0), (1, 31.0), (2, 27.0)]
+    assert live.overdue(131.0, {2}) == [(2, 27.0)] and live.overdue(104.0, set()) == []
+    # A receive may wait until the last of the waiting workers is overdue, and not at all with none waiting.
+    assert live.wait_s(104.0, {0, 2}) == pytest.approx(5.0) and live.wait_s(104.0, {0, 1, 2}) == pytest.approx(26.0)
+    assert live.wait_s(200.0, {0, 1, 2}) == 0.0 and live.wait_s(104.0, set()) == 0.0
+    live.shift(10.0)  # the server saved a checkpoint for 10 s: nobody's silence counts it
+    assert live.overdue(118.5, {0, 2}) == [(0, 5.5)]
+    assert Liveness(1, timeout_s=3.0, heartbeat_s=60.0).allowance_s  # heartbeat above the timeout: capped
+    capped = Liveness(1, timeout_s=3.0, heartbeat_s=60.0)
+    capped.start(0.0)
+    capped.heard(0, 1.0)
+    assert capped.allowance_s(0) == 3.0
+
+
+def _deal_and_drop(dealer: IndexDealer, workers: int, rounds: int, rng: random.Random, applied: list,
+                   coverage: Coverage) -> dict[int, tuple[int, list[int]]]:
+    """Workers ask in random order; a push applies its deal; now and then a worker dies holding one. What they hold."""
+    held: dict[int, tuple[int, list[int]]] = {}
+    for _ in range(rounds):
+        w = rng.randrange(workers)
+        if w in held and rng.random() < 0.1:  # dies holding its deal: taken back, dealt again to whoever asks
+            dealer.take_back(*held.pop(w))
+            continue
+        if w in held:
+            epoch, idx = held.pop(w)
+            applied.append((epoch, idx))
+            coverage.add(epoch, idx)
+        held[w] = dealer.deal(rng.randint(1, 40))
+    return held
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 200), workers=st.integers(1, 5), rounds=st.integers(1, 300), seed=st.integers(0, 2**32))
+def test_taken_back_indices_are_dealt_again_so_every_sample_is_applied_once_per_epoch(n, workers, rounds, seed):
+    dealer, coverage, applied = IndexDealer(n, seed % 7), Coverage(n), []
+    held = _deal_and_drop(dealer, workers, rounds, random.Random(seed), applied, coverage)
+    for epoch, idx in held.values():  # the end: the survivors push what they hold
+        applied.append((epoch, idx))
+        coverage.add(epoch, idx)
+    used: dict[int, list[int]] = {}  # per epoch: applied
+    for epoch, idx in applied:
+        used.setdefault(epoch, []).extend(idx)
+    to_come = {e: list(used.get(e, [])) for e in range(dealer.epoch + 1)}  # plus taken back, not dealt again yet
+    for epoch, idx in dealer.returned:
+        to_come[epoch].extend(idx)
+    for epoch, idx in to_come.items():  # every dealt sample once, none lost: a whole epoch, or up to the cursor
+        assert len(idx) == len(set(idx)), f"epoch {epoch} used a sample twice"
+        assert len(idx) == (n if epoch < dealer.epoch else dealer.cursor), (epoch, len(idx))
+    assert coverage.repeats == 0
+    assert coverage.applied == [len(used.get(e, [])) for e in range(len(coverage.applied))]
+    assert set(coverage.summary()["complete_epochs"]) == {e for e, idx in used.items() if len(idx) == n}
+    assert dealer.dealt == sum(len(i) for _, i in applied)
+
+
+def test_dealer_deals_taken_back_indices_first_oldest_epoch_first_never_mixing_epochs():
+    dealer = IndexDealer(10, seed=3)
+    e0a = dealer.deal(6)
+    e0b = dealer.deal(6)  # the epoch's short last batch: 4
+    e1 = dealer.deal(3)
+    assert (e0a[0], e0b[0], e1[0], len(e0b[1])) == (0, 0, 1, 4)
+    dealer.take_back(*e1)
+    dealer.take_back(*e0b)
+    assert dealer.queued == 7 and dealer.dealt == 6
+    assert dealer.deal(3) == (0, e0b[1][:3])  # epoch 0 first, in slices of the asked batch
+    assert dealer.deal(5) == (0, e0b[1][3:])  # the rest of it alone: a batch never mixes epochs
+    assert dealer.deal(5) == (1, e1[1])
+    assert dealer.deal(2)[0] == 1 and dealer.queued == 0
+    with pytest.raises(ValueError, match="epoch 2"):
+        dealer.take_back(2, [1])
+
+
+def test_dealer_state_round_trip_deals_the_pending_indices_again():
+    rng = random.Random(5)
+    dealer = IndexDealer(50, seed=9)
+    held = _deal_and_drop(dealer, 3, 40, rng, [], Coverage(50))
+    state = dealer.state_dict(pending=held.values())
+    again = IndexDealer(50, seed=9)
+    again.load_state_dict(state)
+    for epoch, idx in held.values():  # what a restart must deal: the held ones as if taken back
+        dealer.take_back(epoch, idx)
+    assert [again.deal(b) for b in (7, 30, 13, 50, 1)] == [dealer.deal(b) for b in (7, 30, 13, 50, 1)]
+    assert again.state_dict() == dealer.state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        IndexDealer(50, seed=1).load_state_dict(state)
+
+
+def test_coverage_counts_repeats_and_round_trips():
+    cov = Coverage(5)
+    cov.add(0, [0, 1, 2])
+    cov.add(0, [2, 3])  # 2 again: a repeat
+    cov.add(1, [4])
+    cov.add(0, [4])
+    assert cov.summary() == {"samples_per_epoch": [6, 1], "repeated_samples": 1, "complete_epochs": [0]}
+    cov.add(0, [1])  # a complete epoch applied again: a repeat too
+    assert cov.repeats == 2 and cov.open.keys() == {1}
+    again = Coverage(5)
+    again.load_state_dict(cov.state_dict())
+    again.add(1, [0, 1, 2, 3])
+    assert again.summary() == {"samples_per_epoch": [7, 5], "repeated_samples": 2, "complete_epochs": [0, 1]}
+    with pytest.raises(ValueError, match="outside"):
+        cov.add(0, [5])
+
+
+def test_staleness_state_round_trip():
+    s = Staleness(2)
+    s.record(1, 5, 2)
+    again = Staleness(2)
+    again.load_state_dict(s.state_dict())
+    assert again.state_dict() == s.state_dict() and again.mean(1) == 3.0
 
 
 def test_train_clock_leaves_pauses_out():
@@ -94,11 +207,14 @@ def test_asp_settings_are_validated():
         ASPSettings(lr_scaling="sqrt")
     with pytest.raises(ConfigError, match="--max-time-s"):
         ASPSettings(max_time_s=0.0)
+    assert ASPSettings(checkpoint_every=5).checkpoint_every == 5
+    with pytest.raises(ConfigError, match="--checkpoint-every"):
+        ASPSettings(checkpoint_every=-1)
 
 
 def test_push_control_windows_only_the_current_batch_and_decides_every_interval():
     loop = ControlLoop(make_controller("omnilearn", Bounds(64, 2, 8, None), (1.0, 1.0)), total_steps=10_000)
-    control = PushControl(loop, interval_pushes=8)
+    control = PushControl(loop, control_interval=4)
     version, decisions = 0, []
     for k in range(80):
         worker = k % 2
@@ -110,6 +226,52 @@ def test_push_control_windows_only_the_current_batch_and_decides_every_interval(
     assert len(decisions) == 10
     assert any(d.changed for d in decisions) and control.batches[0] > control.batches[1]
     state = control.state_dict()
-    again = PushControl(ControlLoop(make_controller("omnilearn", Bounds(64, 2, 8, None), (1.0, 1.0))), 8)
+    again = PushControl(ControlLoop(make_controller("omnilearn", Bounds(64, 2, 8, None), (1.0, 1.0))), 4)
     again.load_state_dict(state)
     assert again.batches == control.batches and again.state_dict() == state
+
+
+def _loop_for(global_batch: int, max_batch: int | None = None):
+    def new_loop(live, batches=None) -> ControlLoop:
+        total = min(global_batch, len(live) * (max_batch or global_batch))
+        loop = ControlLoop(make_controller("omnilearn", Bounds(total, len(live), 8, max_batch), [1.0] * len(live)))
+        if batches is not None:
+            plan = proportional_split(batches, Bounds(total, len(live), 8, max_batch))
+            loop.load_state_dict({"batches": plan, "slot": 0, "windows": [[] for _ in live]})
+        return loop
+    return new_loop
+
+
+def test_a_dropped_workers_share_goes_to_the_others_in_proportion():
+    new_loop = _loop_for(120)
+    control = PushControl(new_loop([0, 1, 2]), control_interval=2, new_loop=new_loop)
+    control.loop.load_state_dict({"batches": [60, 40, 20], "slot": 0, "windows": [[], [], []]})
+    assert control.drop(1) == (90, 0, 30) and control.interval_pushes == 4  # 60:20 kept, sum B
+    assert not control.record(1, 30, 0.1) and control.pushes == 0  # a dropped worker's late push is left out
+    for _ in range(2):
+        control.record(0, 90, 0.01)
+        due = control.record(2, 30, 0.03)
+    assert due and control.decide(10).times_s == pytest.approx((0.01, 0.03))
+    state = control.state_dict()
+    again = PushControl(new_loop([0, 1, 2]), 2, new_loop)
+    again.load_state_dict(state)  # a state of the live workers only rebuilds the loop for them
+    assert again.batches == (90, 0, 30) and again.live == [0, 2] and again.state_dict() == state
+    assert control.drop(2) == (120, 0, 0) and control.drop(0) == (0, 0, 0)
+    capped = _loop_for(120, max_batch=50)
+    tight = PushControl(capped([0, 1, 2]), 2, capped)
+    assert tight.drop(0) == (0, 50, 50)  # 2 x max_batch cannot hold B: each runs at its largest batch
+
+
+def test_fault_kill_point_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert kill_point(2) is None
+    monkeypatch.setenv(ENV, "2:5")
+    assert kill_point(2) == KillPoint(2, 5, "before") and kill_point(1) is None
+    monkeypatch.setenv(ENV, "1:7:after")
+    assert kill_point(1) == KillPoint(1, 7, "after")
+    monkeypatch.setenv(ENV, "0:30")
+    assert kill_point(0) == KillPoint(0, 30) and kill_point(2) is None
+    for bad in ("2", "x:1", "2:0", "2:5:during", "1:2:before:x", "0:30:after"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=ENV):
+            kill_point(2)

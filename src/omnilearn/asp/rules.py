@@ -1,16 +1,23 @@
-"""Asynchronous (ASP) training rules: data dealing, learning-rate scaling, staleness, liveness. Pure Python.
+"""Asynchronous (ASP) training rules: data dealing, coverage, learning-rate scaling, staleness, liveness. Pure Python.
 
 The parameter server hands out data and applies gradients one push at a
 time. :class:`IndexDealer` deals the next ``b_i`` indices of the epoch's
 global permutation to whichever worker asks, so every sample is used exactly
 once per epoch however fast each worker is (the epoch's last batch may be
-short). :func:`push_lr` is the rate a push is applied with: linear scaling
-``lr * b / b_ref`` (``b_ref = B / n``, so a balanced push moves the model as
-much as a uniform one) and, optionally, divided by the push's staleness
-(Zhang et al. 2016). :class:`Staleness` keeps per-worker statistics.
-:class:`Liveness` knows when each worker was last heard from, so the server
-can name one silent for longer than the timeout (the server's training time
-is :class:`omnilearn.trainclock.TrainClock`).
+short). Indices dealt to a worker that is then dropped (dead or silent) are
+given back with :meth:`IndexDealer.take_back` and dealt again, first, to the
+others, still tagged with their own epoch. :class:`Coverage` is the check:
+per data epoch, which samples the server applied and how many applications
+were repeats. :func:`push_lr` is the rate a push is applied with: linear
+scaling ``lr * b / b_ref`` (``b_ref = B / n``, so a balanced push moves the
+model as much as a uniform one) and, optionally, divided by the push's
+staleness (Zhang et al. 2016). :class:`Staleness` keeps per-worker
+statistics. :class:`Liveness` knows when each worker was last heard from and
+how long it may stay silent, so the server can drop a dead or hung worker
+and knows how long it may wait for anyone (the server's training time is
+:class:`omnilearn.trainclock.TrainClock`). Every stateful class has
+``state_dict()``/``load_state_dict()`` of plain values (checkpoints load with
+``weights_only=True``).
 
 Run its tests: ``python -m pytest -q tests/unit/test_aspmath.py``
 """
@@ -18,6 +25,7 @@ Run its tests: ``python -m pytest -q tests/unit/test_aspmath.py``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -26,12 +34,17 @@ LR_SCALINGS = ("linear", "none")
 
 @dataclass
 class IndexDealer:
-    """Deals consecutive slices of one seeded permutation per epoch (epoch ``e``: seed ``(seed, e)``)."""
+    """Deals consecutive slices of one seeded permutation per epoch (epoch ``e``: seed ``(seed, e)``).
+
+    ``returned``: ``(epoch, indices)`` taken back from dropped workers, oldest epoch first; dealt before
+    any new index, a batch never mixing epochs.
+    """
 
     dataset_len: int
     seed: int = 0
     epoch: int = 0
     cursor: int = 0
+    returned: list[tuple[int, list[int]]] = field(default_factory=list)
     _perm: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,9 +57,16 @@ class IndexDealer:
         return self._perm
 
     def deal(self, batch: int) -> tuple[int, list[int]]:
-        """(epoch, indices): the next ``min(batch, left in epoch)`` indices; a new epoch starts when one is used up."""
+        """(epoch, indices): taken-back ones first, else the next ``min(batch, left in epoch)`` of the epoch."""
         if batch < 1:
             raise ValueError(f"batch {batch} must be at least 1")
+        if self.returned:
+            epoch, indices = self.returned[0]
+            if len(indices) > batch:
+                self.returned[0] = (epoch, indices[batch:])
+            else:
+                self.returned.pop(0)
+            return epoch, indices[:batch]
         if self.cursor >= self.dataset_len:
             self.epoch, self.cursor, self._perm = self.epoch + 1, 0, None
         perm = self._permutation()
@@ -54,9 +74,93 @@ class IndexDealer:
         self.cursor += len(taken)
         return self.epoch, taken
 
+    def take_back(self, epoch: int, indices: Sequence[int]) -> None:
+        """Deal ``indices`` of ``epoch`` again (their worker never pushed them), before any new ones."""
+        if epoch > self.epoch or epoch < 0:
+            raise ValueError(f"cannot take back indices of epoch {epoch}: the dealer is at epoch {self.epoch}")
+        if len(indices):
+            self.returned.append((int(epoch), [int(i) for i in indices]))
+            self.returned.sort(key=lambda item: item[0])  # stable: the oldest epoch is completed first
+
+    @property
+    def queued(self) -> int:
+        """Indices taken back and not yet dealt again."""
+        return sum(len(indices) for _, indices in self.returned)
+
+    @property
+    def dealt(self) -> int:
+        """Samples handed out and not taken back, over all epochs."""
+        return self.epoch * self.dataset_len + self.cursor - self.queued
+
     @property
     def epochs_done(self) -> float:
         return self.epoch + self.cursor / self.dataset_len
+
+    def state_dict(self, pending: Iterable[tuple[int, Sequence[int]]] = ()) -> dict:
+        """The position, as if the ``pending`` deals (``(epoch, indices)`` still at workers) were taken back."""
+        returned = sorted([(e, list(i)) for e, i in self.returned] + [(int(e), [int(x) for x in i])
+                                                                      for e, i in pending if len(i)],
+                          key=lambda item: item[0])
+        return {"dataset_len": self.dataset_len, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                "returned": [[e, i] for e, i in returned]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["dataset_len"], state["seed"]) != (self.dataset_len, self.seed):
+            raise ValueError(f"dealer state of {state['dataset_len']} samples with seed {state['seed']} does not fit "
+                             f"{self.dataset_len} samples with seed {self.seed}: same dataset and --seed needed")
+        self.epoch, self.cursor, self._perm = int(state["epoch"]), int(state["cursor"]), None
+        self.returned = [(int(e), [int(x) for x in i]) for e, i in state["returned"]]
+
+
+class Coverage:
+    """Per data epoch: samples applied, which ones (until all were), and repeats: the exactly-once check.
+
+    ``applied[e]`` counts the samples of epoch ``e`` in applied pushes; ``repeats`` counts applications of
+    a sample already applied in the same epoch (0 in a correct run). An epoch is *complete* once every
+    sample was applied; its bitmap (one bit per sample) is then freed, so memory holds the open epochs only.
+    """
+
+    def __init__(self, dataset_len: int) -> None:
+        self.dataset_len = dataset_len
+        self.applied: list[int] = []
+        self.repeats = 0
+        self.open: dict[int, np.ndarray] = {}  # epoch -> bool per sample (applied yet)
+
+    def add(self, epoch: int, indices: Sequence[int]) -> None:
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.dataset_len):
+            raise ValueError(f"indices outside 0..{self.dataset_len - 1} in epoch {epoch}")
+        done = self.complete(epoch)
+        self.applied.extend([0] * (epoch + 1 - len(self.applied)))
+        self.applied[epoch] += idx.size
+        if done:
+            self.repeats += idx.size
+            return
+        seen = self.open.setdefault(epoch, np.zeros(self.dataset_len, dtype=bool))
+        fresh = np.unique(idx)
+        fresh = fresh[~seen[fresh]]
+        self.repeats += idx.size - fresh.size
+        seen[fresh] = True
+        if seen.all():
+            del self.open[epoch]
+
+    def complete(self, epoch: int) -> bool:
+        return epoch < len(self.applied) and self.applied[epoch] > 0 and epoch not in self.open
+
+    def summary(self) -> dict:
+        return {"samples_per_epoch": list(self.applied), "repeated_samples": self.repeats,
+                "complete_epochs": [e for e in range(len(self.applied)) if self.complete(e)]}
+
+    def state_dict(self) -> dict:
+        return {"dataset_len": self.dataset_len, "applied": list(self.applied), "repeats": self.repeats,
+                "open": {e: np.packbits(seen).tobytes() for e, seen in self.open.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["dataset_len"] != self.dataset_len:
+            raise ValueError(f"coverage of {state['dataset_len']} samples loaded for {self.dataset_len}")
+        self.applied, self.repeats = [int(a) for a in state["applied"]], int(state["repeats"])
+        self.open = {int(e): np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=self.dataset_len).astype(bool)
+                     for e, bits in state["open"].items()}
 
 
 def push_lr(base_lr: float, batch: int, b_ref: float, staleness: int, scaling: str, staleness_aware: bool) -> float:
@@ -92,30 +196,48 @@ class Staleness:
     def mean(self, worker: int) -> float:
         return self.totals[worker] / self.counts[worker] if self.counts[worker] else 0.0
 
+    def state_dict(self) -> dict:
+        return {"counts": list(self.counts), "totals": list(self.totals), "maxima": list(self.maxima)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["counts"]) != self.workers:
+            raise ValueError(f"staleness of {len(state['counts'])} workers loaded for {self.workers}")
+        self.counts, self.totals, self.maxima = ([int(v) for v in state[k]] for k in ("counts", "totals", "maxima"))
+
 
 @dataclass
 class Liveness:
-    """When each worker was last heard from (server clock, seconds); which one is silent past ``timeout_s``."""
+    """When each worker was last heard from (server clock, seconds), and how long it may stay silent.
+
+    Before its first request a worker may take ``timeout_s`` (start-up: data, model); after it,
+    ``heartbeat_s`` (capped at ``timeout_s``; None: ``timeout_s``).
+    """
 
     workers: int
     timeout_s: float
+    heartbeat_s: float | None = None
     last_heard_s: list[float] = field(default_factory=list)
+    greeted: list[bool] = field(default_factory=list)
 
     def start(self, now_s: float) -> None:
-        self.last_heard_s = [now_s] * self.workers
+        self.last_heard_s, self.greeted = [now_s] * self.workers, [False] * self.workers
 
     def heard(self, worker: int, now_s: float) -> None:
-        self.last_heard_s[worker] = now_s
+        self.last_heard_s[worker], self.greeted[worker] = now_s, True
 
-    def quietest(self, now_s: float, done: set[int]) -> tuple[int, float] | None:
-        """(worker, seconds silent) of the longest-silent worker not in ``done``; None when all are done."""
-        live = [(self.last_heard_s[w], w) for w in range(self.workers) if w not in done]
-        if not live:
-            return None
-        heard_s, worker = min(live)
-        return worker, now_s - heard_s
+    def shift(self, seconds: float) -> None:
+        """The server did not listen for ``seconds`` (a checkpoint): nobody's silence counts it."""
+        self.last_heard_s = [t + seconds for t in self.last_heard_s]
 
-    def silent(self, now_s: float, done: set[int]) -> tuple[int, float] | None:
-        """The quietest worker when it has been silent for longer than ``timeout_s``, else None."""
-        found = self.quietest(now_s, done)
-        return found if found is not None and found[1] > self.timeout_s else None
+    def allowance_s(self, worker: int) -> float:
+        beat = self.timeout_s if self.heartbeat_s is None else min(self.heartbeat_s, self.timeout_s)
+        return beat if self.greeted[worker] else self.timeout_s
+
+    def overdue(self, now_s: float, live: Iterable[int]) -> list[tuple[int, float]]:
+        """(worker, seconds silent) of each ``live`` worker silent for longer than its allowance, in worker order."""
+        quiet = [(w, now_s - self.last_heard_s[w]) for w in sorted(live)]
+        return [(w, q) for w, q in quiet if q > self.allowance_s(w)]
+
+    def wait_s(self, now_s: float, live: Iterable[int]) -> float:
+        """How long a receive may wait: until the last ``live`` worker is overdue (0 when none is live)."""
+        return max([0.0] + [self.last_heard_s[w] + self.allowance_s(w) - now_s for w in live])

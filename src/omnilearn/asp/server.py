@@ -3,154 +3,206 @@
 It takes what it needs as arguments (the model, optimizer and LR schedule,
 the training set's length, an ``evaluate(model) -> (loss, accuracy)``
 callable, the :class:`~omnilearn.config.BalanceConfig`, the
-:class:`~omnilearn.asp.settings.ASPSettings` and the run plan); the
+:class:`~omnilearn.asp.settings.ASPSettings`, the run plan and, for
+checkpoints, a :class:`~omnilearn.checkpoint.CheckpointStore`); the
 experiment harness (:mod:`omnilearn.experiments.asp_train`) builds them.
 
 Each request is handled alone, in arrival order: a push is one optimizer
 step with the rate ``lr * b_i / b_ref`` (:func:`~omnilearn.asp.rules.push_lr`),
 then the worker gets the next ``b_i`` indices of the epoch's permutation and
-the weights. Every ``control_interval x n`` pushes the workers' cycle times go
-to the ControlLoop (:mod:`omnilearn.asp.control`). When an epoch of data has
-been dealt the model is evaluated in a helper thread while the server keeps
-answering: it holds every request (pushes are kept, applied when the
-evaluation ends; workers poll), so no worker waits on the server for long,
-the liveness clocks see the polls, and training time excludes the pause.
-A worker silent for longer than ``timeout_s`` stops the run with its rank named.
+the weights. Every ``control_interval x live`` pushes the workers' cycle
+times go to the ControlLoop (:mod:`omnilearn.asp.control`). When an epoch of
+data has been dealt the model is evaluated in a helper thread while the
+server keeps answering: it holds every request (pushes are kept, applied
+when the evaluation ends; workers poll), so no worker waits on the server
+for long, the liveness clocks see the polls, and training time excludes the pause.
 
-Run its tests: ``python -m pytest -q tests/dist/test_asp_server.py``
+Failures (:mod:`omnilearn.asp.membership`): a worker whose connection fails
+(a gloo error) or that sends nothing for ``heartbeat_s`` (``timeout_s``
+before its first request) is dropped: the indices it held go back to the
+dealer and are dealt again to the others, its batch share goes to them, and
+the run goes on; one that speaks again is told to stop. With no worker
+left the run fails, naming each. The run's length is counted in push
+*slots* of the full cluster: a push by one of ``m`` live workers of ``n``
+uses ``n / m`` slots (its batch is about ``B / m``, not ``B / n``), so the
+run ends after the samples it was planned for and the LR schedule (one
+step per slot) ends with it; with every worker live a slot is a push.
+
+Checkpoints (:mod:`omnilearn.asp.snapshot`): every ``checkpoint_every``
+steps of ``n`` slots, never during an evaluation; ``resume()`` continues
+from the newest. A stop signal (:mod:`omnilearn.stopping`) makes the server
+save one, tell each worker to stop and raise :class:`~omnilearn.stopping.Stopped`.
+
+Run its tests: ``python -m pytest -q tests/dist/test_asp_server.py tests/faults/test_asp_faults.py``
 """
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from omnilearn import stopping
 from omnilearn.asp.control import PushControl
+from omnilearn.asp.faults import KillPoint
 from omnilearn.asp.flat import Flat
-from omnilearn.asp.rules import IndexDealer, Liveness, Staleness, push_lr
+from omnilearn.asp.membership import Membership
+from omnilearn.asp.rules import Coverage, IndexDealer, Liveness, Staleness, push_lr
 from omnilearn.asp.settings import ASPSettings
-from omnilearn.balance.allocation import Bounds
+from omnilearn.asp.snapshot import Snapshots
+from omnilearn.balance.allocation import Bounds, proportional_split
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
+from omnilearn.checkpoint import CheckpointStore
 from omnilearn.config import BalanceConfig
-from omnilearn.distributed.ps import GO, HOLD, PUSH, STOP, PeerTimeout, Request, ServerLink
+from omnilearn.distributed.ps import GO, HELLO, HOLD, PUSH, STOP, PeerLost, Request, ServerLink
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.asplog import ASPLog
 from omnilearn.runplan import RunPlan
 from omnilearn.trainclock import TrainClock
 
 Evaluate = Callable[[nn.Module], tuple[float, float]]  # (test loss, test accuracy)
-
-
-class WorkerSilent(RuntimeError):
-    """A worker stopped talking to the server for longer than the timeout."""
+Deal = tuple[int, list[int]]  # (data epoch, indices) dealt to a worker
 
 
 class ParameterServer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_schedule, *, dataset_len: int,
                  cfg: BalanceConfig, settings: ASPSettings, run: RunPlan, evaluate: Evaluate | None = None,
-                 run_dir: Path | None = None) -> None:
+                 run_dir: Path | None = None, checkpoints: CheckpointStore | None = None,
+                 fault: KillPoint | None = None) -> None:
         if run.total_steps is None:
             raise ValueError("an ASP run needs its length: a run plan with total_steps")
         self.cfg, self.settings, self.run, self.n = cfg, settings, run, cfg.workers
-        self.total_pushes = run.total_steps * self.n  # one step = B samples = n balanced pushes
+        self.total_pushes = run.total_steps * self.n  # one step = B samples = n balanced pushes (slots)
         self.b_ref = cfg.global_batch / self.n
         self.model, self.opt, self.sched, self.evaluate = model, optimizer, lr_schedule, evaluate
         self.flat = Flat(model)
-        bounds = Bounds(cfg.global_batch, self.n, cfg.min_batch, cfg.max_batch)
-        controller = make_controller(cfg.controller, bounds, run.speeds.at(0))
-        loop = ControlLoop(controller, deadband=cfg.deadband, total_steps=self.total_pushes)
-        self.control = PushControl(loop, cfg.control_interval * self.n)
+        self.control = PushControl(self.new_loop(range(self.n)), cfg.control_interval, self.new_loop)
         self.dealer = IndexDealer(dataset_len, cfg.seed)
+        self.coverage = Coverage(dataset_len)
         self.link = ServerLink(self.flat.size, cfg.upper_batch, cfg.timeout_s)
         self.staleness = Staleness(self.n)
-        self.liveness = Liveness(self.n, cfg.timeout_s)
+        self.members = Membership(self, Liveness(self.n, cfg.timeout_s, cfg.heartbeat_s))
         self.clock = TrainClock()
-        self.version = 0
+        self.version, self.slots = 0, Fraction(0)  # pushes applied; push slots of the full cluster used
         self.log = ASPLog(cfg, settings, self.total_pushes, run_dir)
+        self.snapshots = Snapshots(self, checkpoints)
+        self.fault = fault  # tests only: see omnilearn.asp.faults
         self.evaluated_epoch = 0
         self.evaluation: tuple[int, int, float, Future] | None = None  # epoch, version, train_s, result
-        self.held: list[tuple[int, Request, torch.Tensor]] = []  # pushes that arrived while evaluating
+        self.outstanding: dict[int, Deal] = {}  # per worker: what it was dealt and has not pushed yet
+        self.held: list[tuple[int, Request, torch.Tensor, Deal]] = []  # pushes that arrived while evaluating
         self.pool: ThreadPoolExecutor | None = None
+
+    def new_loop(self, live: Sequence[int], batches: Sequence[int] | None = None) -> ControlLoop:
+        """A ControlLoop over the ``live`` workers; ``batches``: the plan shares ``B`` in their proportion."""
+        cfg, live = self.cfg, list(live)
+        total = min(cfg.global_batch, len(live) * cfg.upper_batch)  # live x max_batch may no longer hold B
+        bounds = Bounds(total, len(live), cfg.min_batch, cfg.max_batch)
+        speeds = self.run.speeds.at(0)
+        loop = ControlLoop(make_controller(cfg.controller, bounds, [speeds[w] for w in live]), deadband=cfg.deadband,
+                           total_steps=self.total_pushes)
+        if batches is not None:
+            plan = proportional_split([max(1, b) for b in batches], bounds)
+            loop.load_state_dict({"batches": plan, "slot": 0, "windows": [[] for _ in live]})
+        return loop
 
     @property
     def batches(self) -> tuple[int, ...]:
         return self.control.batches
 
+    @property
+    def step(self) -> int:
+        """Steps of ``B`` samples done: slots used // n."""
+        return math.floor(self.slots) // self.n
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint (from the beginning when there is none yet)."""
+        self.snapshots.resume()
+
     def serve(self) -> dict:
-        """Answer the workers until every one was told to stop; the summary (also in the run directory)."""
+        """Answer the workers until every live one was told to stop; the summary (also in the run directory)."""
         now = time.perf_counter()
         self.clock.start(now)
-        self.liveness.start(now)
-        stopped: set[int] = set()
+        self.members.start(now)
         try:
-            while len(stopped) < self.n:
-                req, payload = self.receive(stopped)
-                if self.handle(req, payload):
-                    stopped.add(req.rank - 1)
+            while self.members.waiting:
+                got = self.members.receive()
+                if got is not None:
+                    self.answer(*got)
+                self.snapshots.after_request()
+                if self.fault is not None:
+                    self.fault.reached(self.version)
         finally:
             if self.pool is not None:  # on an error, raise it now rather than after a running evaluation
                 self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.snapshots.stop_reason:
+            raise stopping.Stopped(self.snapshots.stop_reason)
         wall_s = self.clock.wall_s(time.perf_counter())
         train_s = wall_s - self.clock.paused_s
         if self.evaluate is not None:
             self.log.evaluation(self.dealer.epoch, self.version, train_s, *self.evaluate(self.model))
-        dealt = self.dealer.epoch * self.dealer.dataset_len + self.dealer.cursor
-        return self.log.finish(wall_s, train_s, self.staleness, self.model, dealt)
+        return self.log.finish(wall_s, train_s, self.staleness, self.model, self.dealer.dealt, self.coverage.summary(),
+                               self.step)
+
+    def answer(self, req: Request, payload: torch.Tensor | None) -> None:
+        """Handle one request; a worker whose connection fails meanwhile is dropped."""
+        try:
+            if self.handle(req, payload):
+                self.members.stopped.add(req.rank - 1)
+        except PeerLost as e:
+            self.members.drop(e.rank - 1, f"its connection failed: {e}")
 
     def handle(self, req: Request, payload: torch.Tensor | None) -> bool:
         """Answer one request; True when the worker was told to stop."""
         worker = req.rank - 1
+        if worker not in self.members.live:  # dropped earlier and speaking again: too late
+            self.link.reply(req.rank, STOP, self.version, self.dealer.epoch)
+            return False
+        if req.kind == HELLO and worker in self.outstanding:  # cannot happen within one run: be safe anyway
+            self.dealer.take_back(*self.outstanding.pop(worker))
+        deal = self.outstanding.pop(worker, None) if req.kind == PUSH else None
+        if req.kind == PUSH and (deal is None or len(deal[1]) != req.batch):
+            raise RuntimeError(f"worker rank {req.rank} pushed a gradient of {req.batch} samples but holds "
+                               f"{'no batch' if deal is None else f'{len(deal[1])} samples'}: a protocol error")
         if self.evaluation is not None and not self.end_evaluation():
             if req.kind == PUSH:
-                self.held.append((worker, req, payload.clone()))
+                self.held.append((worker, req, payload.clone(), deal))
             self.link.reply(req.rank, HOLD, self.version)
             return False
         if self.stopping():
             self.link.reply(req.rank, STOP, self.version, self.dealer.epoch)
             return True
         if req.kind == PUSH:
-            self.apply(worker, req, payload, self.clock.train_s(time.perf_counter()))
-        epoch, indices = self.dealer.deal(self.batches[worker])
+            self.apply(worker, req, payload, self.clock.train_s(time.perf_counter()), deal)
+        epoch, indices = self.outstanding[worker] = self.dealer.deal(self.batches[worker])
         if epoch > self.evaluated_epoch:
             self.start_evaluation(epoch - 1)
         self.link.reply(req.rank, GO, self.version, epoch, self.slowdown(worker), indices, self.flat.state())
         return False
 
     def stopping(self) -> bool:
-        """All pushes applied, or the training-time budget spent."""
+        """All push slots used, the training-time budget spent, or a stop asked for."""
         budget_s = self.settings.max_time_s
-        return self.version >= self.total_pushes or (
-            budget_s is not None and self.clock.train_s(time.perf_counter()) >= budget_s)
-
-    def receive(self, stopped: set[int]) -> tuple[Request, torch.Tensor | None]:
-        """The next request; a worker silent for longer than ``timeout_s`` stops the run, named."""
-        try:
-            req, payload = self.link.receive()
-        except PeerTimeout:
-            req = payload = None
-        now = time.perf_counter()
-        if req is not None:
-            self.liveness.heard(req.rank - 1, now)
-        silent = self.liveness.quietest(now, stopped) if req is None else self.liveness.silent(now, stopped)
-        if silent is not None:
-            worker, quiet_s = silent
-            raise WorkerSilent(f"worker rank {worker + 1} sent nothing for {quiet_s:.0f} s: it died or hangs "
-                               f"(--timeout-s {self.cfg.timeout_s:g}); stopping the run")
-        return req, payload
+        return (self.slots >= self.total_pushes or self.snapshots.stop_reason is not None
+                or (budget_s is not None and self.clock.train_s(time.perf_counter()) >= budget_s))
 
     def slowdown(self, worker: int) -> float:
-        speeds = self.run.speeds.at(min(self.version // self.n, self.run.total_steps - 1))
+        speeds = self.run.speeds.at(min(self.step, self.run.total_steps - 1))
         self.log.speeds(self.version, speeds)
         return slowdown(speeds, worker) if self.cfg.emulator == "delay" else 1.0
 
-    def apply(self, worker: int, req: Request, payload: torch.Tensor, train_s: float) -> None:
-        """One push: an optimizer step with this push's rate on the server's current weights."""
+    def apply(self, worker: int, req: Request, payload: torch.Tensor, train_s: float, deal: Deal | None = None) -> None:
+        """One push: an optimizer step with this push's rate on the server's current weights.
+
+        ``deal``: the ``(epoch, indices)`` it was computed on, counted in the coverage (None: a push fed in by hand).
+        """
         if req.batch < 1:
             raise RuntimeError(f"worker rank {req.rank} pushed a gradient of an empty batch")
         if not torch.isfinite(payload).all():
@@ -165,9 +217,14 @@ class ParameterServer:
         for param in self.flat.params:
             param.grad.mul_(lr / base if base > 0 else 0.0)
         self.opt.step()
-        self.sched.step()
+        before, self.slots = self.slots, self.slots + Fraction(self.n, max(1, len(self.members.live)))
+        for _ in range(math.floor(self.slots) - math.floor(before)):
+            self.sched.step()
         self.version += 1
-        self.log.push(self.version, worker, req, stale, lr, train_s, self.dealer.epochs_done)
+        if deal is not None:
+            self.coverage.add(*deal)
+        self.log.push(self.version, worker, req, stale, lr, train_s, self.dealer.epochs_done,
+                      None if deal is None else deal[0])
         if self.control.record(worker, req.batch, req.cycle_s):
             self.log.decision(self.control.decide(self.version))
 
@@ -190,8 +247,8 @@ class ParameterServer:
         self.evaluation = None
         self.log.evaluation(epoch, version, train_s, *result.result())
         self.clock.resume(time.perf_counter())
-        held, self.held = self.held, []
-        for worker, req, payload in held:
+        while self.held:
+            worker, req, payload, deal = self.held.pop(0)
             if not self.stopping():
-                self.apply(worker, req, payload, self.clock.train_s(time.perf_counter()))
+                self.apply(worker, req, payload, self.clock.train_s(time.perf_counter()), deal)
         return True

@@ -20,12 +20,14 @@ class ASPSettings:
 
     ``lr_scaling``: ``linear`` (a push's rate times ``b_i / (B / n)``) or ``none``;
     ``staleness_lr``: also divide a push's rate by its staleness;
-    ``max_time_s``: stop after this much training time (evaluation excluded; None: no limit).
+    ``max_time_s``: stop after this much training time (evaluation excluded; None: no limit);
+    ``checkpoint_every``: save a checkpoint every this many steps of ``n`` push slots (0: never).
     """
 
     lr_scaling: str = "linear"
     staleness_lr: bool = False
     max_time_s: float | None = None
+    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
@@ -34,3 +36,6 @@ class ASPSettings:
             raise ConfigError(f"--staleness-lr must be true or false, got {self.staleness_lr!r}")
         if self.max_time_s is not None and not self.max_time_s > 0:
             raise ConfigError(f"--max-time-s {self.max_time_s:g} must be positive")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every {self.checkpoint_every!r} must be 0 (never) or a number of steps")

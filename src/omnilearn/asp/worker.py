@@ -7,10 +7,14 @@ builds them. A batch is ``dataset.__getitems__(indices)`` (or one item at a
 time) through ``collate_fn`` (default: ``keep_batch`` for datasets that
 serve whole batches, else torch's ``default_collate``) and must be
 ``(inputs, targets)``. When the server holds it (while evaluating) the
-worker polls every ``POLL_S``; that wait is left out of its cycle time.
-Protocol: :mod:`omnilearn.distributed.ps`.
+worker polls every ``POLL_S``; that wait is left out of its cycle time. A
+worker the server dropped (it fell silent for longer than ``heartbeat_s``)
+and that speaks again is told ``STOP`` and ends normally; one that loses the
+server raises (the link's one-line error). Protocol:
+:mod:`omnilearn.distributed.ps`. ``fault``: a test's kill point at one of
+its pushes (:mod:`omnilearn.asp.faults`, ``OMNILEARN_FAULT_KILL_AT``).
 
-Run its tests: ``python -m pytest -q tests/dist/test_asp_server.py``
+Run its tests: ``python -m pytest -q tests/dist/test_asp_server.py tests/faults/test_asp_faults.py``
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from omnilearn.asp.faults import KillPoint
 from omnilearn.asp.flat import Flat
 from omnilearn.data.loader import keep_batch
 from omnilearn.distributed.group import DistContext, pick_device
@@ -33,7 +38,7 @@ from omnilearn.timing import StepTimer
 class ASPWorker:
     def __init__(self, model: nn.Module, dataset, criterion: Callable[[Any, Any], torch.Tensor], *,
                  device: torch.device, max_batch: int, timeout_s: float,
-                 collate_fn: Callable[[Any], Any] | None = None) -> None:
+                 collate_fn: Callable[[Any], Any] | None = None, fault: KillPoint | None = None) -> None:
         self.device = device
         self.dataset, self.criterion = dataset, criterion
         if collate_fn is None:
@@ -44,6 +49,8 @@ class ASPWorker:
         self.link = WorkerLink(self.flat.size, max_batch, timeout_s)
         self.timer = StepTimer(device)
         self.emulator = DelayEmulator(self.timer)
+        self.fault = fault  # tests only: see omnilearn.asp.faults
+        self.pushes = 0
 
     def fetch(self, indices: Sequence[int]):
         """The batch of ``indices``, collated, on this worker's device."""
@@ -66,7 +73,17 @@ class ASPWorker:
             payload = self.flat.gradients_and_buffers()
             now = time.perf_counter()
             cycle_s, cycle_start = now - cycle_start, now
-            reply = self.link.request(PUSH, len(reply.indices), reply.version, cycle_s, compute_s, loss, payload)
+            reply = self.push(reply, cycle_s, compute_s, loss, payload)
+
+    def push(self, reply: Reply, cycle_s: float, compute_s: float, loss: float, payload: torch.Tensor) -> Reply:
+        """Push the gradient of ``reply``'s batch; the server's answer."""
+        self.pushes += 1
+        if self.fault is not None:
+            self.fault.reached(self.pushes, "before")
+        self.link.send(PUSH, len(reply.indices), reply.version, cycle_s, compute_s, loss, payload)
+        if self.fault is not None:
+            self.fault.reached(self.pushes, "after")
+        return self.link.answer()
 
     def compute(self, reply: Reply) -> tuple[float, float]:
         """The gradient of the mean loss over the batch of ``reply``; (compute_s, loss)."""

@@ -4,17 +4,29 @@ Events (through the one :class:`~omnilearn.observe.events.EventRecorder`):
 ``push`` (one per applied gradient: worker ``rank`` 0..n-1, its ``batch``,
 ``staleness``, ``pulled_version``, ``cycle_s`` and ``compute_s``, ``loss``,
 the ``lr`` applied, the server ``version`` after it, training ``wall_s``,
-``epoch`` of data dealt), ``decision``, ``speeds`` and ``eval`` (test loss
-and accuracy with training wall time). No push is kept in memory: per worker
+``epoch`` of data dealt, ``data_epoch``: the epoch its samples came from),
+``decision``, ``speeds``, ``eval`` (test loss and accuracy with training
+wall time), ``drop`` (a worker dropped: ``rank`` 0..n-1 as in ``push``,
+``version``, ``reason``, ``redealt`` samples dealt again and their
+``data_epoch`` (None: it held none), the ``live`` workers left and their
+new ``batches``; also one warning line on stderr naming the worker's
+process rank) and ``resume`` (``version``, ``step``: the run continues
+from the checkpoint of that version; records after it before this line are
+void, :func:`~omnilearn.observe.rundir.replay`). :meth:`ASPLog.state_dict`
+is what a checkpoint carries over (counts and last values); after a resume
+the summary's per-worker means cover the pushes since the resume, its
+counts the whole run (as BSP's ``Telemetry``). No push is kept in memory: per worker
 a :class:`~omnilearn.observe.suffix.SuffixStats` gives the exact "last half
 of its pushes" means, one more gives the last half's maximum staleness, and
 the progress line sums the current control interval only.
 
-Run its tests: ``python -m pytest -q tests/unit/test_recorder.py tests/dist/test_asp_server.py``
+Run its tests: ``python -m pytest -q tests/unit/test_recorder.py tests/dist/test_asp_server.py
+tests/faults/test_asp_faults.py``
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -40,6 +52,8 @@ class ASPLog:
         self.all_staleness = SuffixStats(("max",))
         self.last_losses: deque[float] = deque(maxlen=self.n)
         self.samples = 0
+        self.dropped: list[dict] = []  # {"rank", "version", "reason"} per dropped worker, in order
+        self.resumed_at: int | None = None  # the version this process resumed from
         self._new_interval()
 
     def _new_interval(self) -> None:
@@ -55,11 +69,13 @@ class ASPLog:
         if self.events.speeds(version, speeds, version=version, step=version // self.n) and version > 0:
             self.console.speeds(version, speeds)
 
-    def push(self, version: int, worker: int, req, staleness: int, lr: float, wall_s: float, epochs: float) -> None:
+    def push(self, version: int, worker: int, req, staleness: int, lr: float, wall_s: float, epochs: float,
+             data_epoch: int | None = None) -> None:
         """One applied push (``req``: the worker's request: batch, pulled_version, cycle_s, compute_s, loss)."""
+        where = {} if data_epoch is None else {"data_epoch": data_epoch}
         self.events.write("push", version=version, rank=worker, batch=req.batch, staleness=staleness,
                           pulled_version=req.pulled_version, cycle_s=req.cycle_s, compute_s=req.compute_s,
-                          loss=req.loss, lr=lr, wall_s=wall_s, epoch=epochs)
+                          loss=req.loss, lr=lr, wall_s=wall_s, epoch=epochs, **where)
         self.per_worker[worker].add([req.batch, req.cycle_s, req.compute_s, staleness])
         self.all_staleness.add([staleness])
         self.last_losses.append(req.loss)
@@ -87,13 +103,60 @@ class ASPLog:
         if d.changed:
             self.console.rebalance(d.step, eff, d.old, d.new, d.times_s)
 
+    def drop(self, version: int, worker: int, reason: str, redealt: int, live: list[int],
+             batches: tuple[int, ...], data_epoch: int | None = None) -> None:
+        """Worker ``worker`` (0..n-1) was dropped: a ``drop`` event and one warning line on stderr.
+
+        ``redealt``: samples it held that are dealt again (of epoch ``data_epoch``); ``batches``: every worker's.
+        """
+        self.dropped.append({"rank": worker, "version": version, "reason": reason})
+        self.events.write("drop", version=version, rank=worker, reason=reason, redealt=redealt,
+                          data_epoch=data_epoch, live=live, batches=[batches[w] for w in live])
+        self.events.flush()
+        rest = (f"{len(live)} worker(s) go on with batches {'/'.join(str(batches[w]) for w in live)}" if live
+                else "no worker is left")
+        print(f"omnilearn: warning: dropped worker rank {worker + 1} at version {version}: {reason}; "
+              f"{redealt} samples it held are dealt again; {rest}", file=sys.stderr, flush=True)
+
+    def flush(self) -> None:
+        """Write the held events (before a checkpoint: every event up to its version is then on disk)."""
+        self.events.flush()
+
+    def state_dict(self) -> dict:
+        """What a resumed run's record carries over: counts and last values, not the per-push statistics."""
+        events = self.events
+        return {"samples": self.samples, "last_losses": list(self.last_losses), "rebalances": events.rebalances,
+                "speed_changes": [[at, list(v)] for at, v in events.speed_changes],
+                "last_eval": dict(events.last_eval), "dropped": [dict(d) for d in self.dropped]}
+
+    def resume(self, state: dict, version: int, step: int) -> None:
+        """Carry ``state`` over and write a ``resume`` event: records after ``version`` before it are void."""
+        events = self.events
+        self.samples = int(state.get("samples", 0))
+        self.last_losses.extend(float(v) for v in state.get("last_losses", []))
+        events.rebalances = int(state.get("rebalances", 0))
+        events.speed_changes = [(int(at), tuple(v)) for at, v in state.get("speed_changes", [])]
+        events.last_eval = dict(state.get("last_eval", {}))
+        self.dropped = [dict(d) for d in state.get("dropped", [])]
+        self.resumed_at = version
+        events.write("resume", version=version, step=step, workers=self.n, at=time.time())
+        events.flush()
+        self.console.info(f"resumed at version {version} (step {step}) with {self.n} workers"
+                          if version else "no checkpoint yet: the run starts over")
+
     def evaluation(self, epoch: int, version: int, wall_s: float, loss: float, accuracy: float) -> None:
         self.events.evaluation(epoch=epoch, version=version, step=version // self.n, wall_s=wall_s, test_loss=loss,
                                test_accuracy=accuracy)
 
     def finish(self, wall_s: float, train_s: float, staleness: Staleness, model: torch.nn.Module,
-               samples_dealt: int) -> dict:
-        summary = {**self.summary(wall_s, train_s, staleness), "samples_dealt": samples_dealt}
+               samples_dealt: int, coverage: dict | None = None, steps: int | None = None) -> dict:
+        """Write the summary. ``coverage``: the server's per-epoch sample counts
+        (:class:`~omnilearn.asp.rules.Coverage`); ``steps``: steps of ``B`` samples done (default: updates // n,
+        which is it while no worker was dropped)."""
+        summary = {**self.summary(wall_s, train_s, staleness), "samples_dealt": samples_dealt, **(coverage or {}),
+                   "dropped": [dict(d) for d in self.dropped], "resumed_at_version": self.resumed_at}
+        if steps is not None:
+            summary["steps"] = steps
         self.events.finish(summary, model)
         for stats in (*self.per_worker, self.all_staleness):
             stats.close()

@@ -1,0 +1,188 @@
+"""ASP survives failures, with real processes: a SIGKILLed worker is dropped, a killed server resumes.
+
+- A worker SIGKILLs itself mid-run (``OMNILEARN_FAULT_KILL_AT``, :mod:`omnilearn.asp.faults`):
+  ``before`` sending its push (the server notices the silence after ``--heartbeat-s``) or
+  ``after`` it (the server's reply fails: a gloo error). The server drops it, naming it
+  (stderr and a ``drop`` event), deals its samples again, and the run completes with the
+  others; every sample is applied exactly once per epoch (the server's coverage ledger,
+  cross-checked against the push events).
+- The server SIGKILLs itself mid-run; all processes are relaunched with ``resume=True``
+  and the run continues at the checkpoint's version (a ``resume`` event), completes, and
+  still applies every sample once per epoch across the restart.
+- SIGTERM to every process (what the launcher sends on Ctrl-C): the server saves a
+  checkpoint at once, tells the workers to stop (they exit 0) and raises ``Stopped``.
+
+The processes are started here as the launcher starts them (one process group, the
+harness's ``train_asp`` per rank), not through ``omnilearn train``: the local launcher
+stops every process when one dies, which is what the ASP server must not need.
+
+Run: ``python -m pytest -q tests/faults/test_asp_faults.py`` (about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from omnilearn import stopping
+from omnilearn.asp.faults import ENV
+from omnilearn.checkpoint import CheckpointStore
+from omnilearn.distributed import group
+from omnilearn.experiments import workload
+from omnilearn.experiments.asp_train import train_asp
+from omnilearn.experiments.config import TrainConfig
+from omnilearn.observe.rundir import read_metrics
+
+pytestmark = pytest.mark.dist
+
+TRAIN_LEN = 10_000  # MNIST-1D's training split
+# Epochs of 10 steps of B = 1000 (333 samples per push with 3 workers), about half a second each on an idle
+# 2-core host. The run is as long as its training-time budget: it must outlast the heartbeat (how long a dead
+# worker goes unnoticed) by a few epochs, however fast or busy the host is.
+RUN = dict(mode="asp", global_batch=1000, epochs=100, max_time_s=5.0, control_interval=3, lr_schedule="constant",
+           heartbeat_s=2.0, timeout_s=60.0, quiet=True)
+
+
+def _rank(rank: int, world: int, store: str, out: str, flags: dict) -> None:
+    """One process of an ASP run: join the group as the launcher does, then run the harness's ``train_asp``."""
+    cfg = TrainConfig(**flags)
+    stopping.install_handlers()  # as the launcher's ranks: SIGTERM asks for a stop at the next safe point
+    try:
+        ctx = group.init(rank, world, rank, world, "cpu", cfg.timeout_s, f"file://{store}", "gloo")
+        train_asp(cfg, ctx, Path(out) if rank == 0 else None)
+    except BaseException as e:  # noqa: BLE001 - the test reads how each rank ended
+        Path(out, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def launch(out: Path, timeout_s: float = 150.0, signal_after_pushes: int | None = None,
+           **flags) -> list[int | None]:
+    """Run every rank of one ASP run to its end; their exit codes (negative: killed by that signal).
+
+    ``signal_after_pushes``: SIGTERM every rank once ``metrics.jsonl`` holds that many pushes.
+    """
+    cfg = TrainConfig(**{**RUN, **flags})
+    world = cfg.workers + 1
+    workload.load_data(cfg)  # generated here once (the session's cache), not by every process at once
+    out.mkdir(parents=True, exist_ok=True)
+    store = out.parent / f"store-{out.name}-{time.monotonic_ns()}"
+    ctx = mp.start_processes(_rank, args=(world, str(store), str(out), {**RUN, **flags}), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while signal_after_pushes is not None and time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and \
+                (out / "metrics.jsonl").read_text().count('"event":"push"') >= signal_after_pushes:
+            for p in ctx.processes:
+                os.kill(p.pid, signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    for p in ctx.processes:
+        p.join(max(0.1, deadline - time.monotonic()))
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes
+
+
+def errors(out: Path) -> dict[str, str]:
+    return {f.name: f.read_text().splitlines()[0] for f in out.glob("rank*.err")}
+
+
+def check_every_sample_once_per_epoch(out: Path, summary: dict) -> None:
+    """The server's ledger: no repeat, every epoch but the last two whole (at the end some samples are in flight,
+    and the last epoch is cut); its counts match the (replayed) push events."""
+    assert summary["repeated_samples"] == 0
+    per_epoch = summary["samples_per_epoch"]
+    assert summary["complete_epochs"] == [e for e, k in enumerate(per_epoch) if k == TRAIN_LEN]
+    assert len(per_epoch) >= 3 and set(summary["complete_epochs"]) >= set(range(len(per_epoch) - 2)), per_epoch
+    assert all(k <= TRAIN_LEN for k in per_epoch)
+    pushed = [0] * len(per_epoch)
+    for p in read_metrics(out, "push"):
+        pushed[p["data_epoch"]] += p["batch"]
+    assert pushed == per_epoch
+
+
+@pytest.mark.parametrize("phase", ["before", "after"])
+def test_a_killed_worker_is_dropped_and_the_others_finish_using_every_sample_once(tmp_path, monkeypatch, capfd, phase):
+    out = tmp_path / "run"
+    monkeypatch.setenv(ENV, f"2:5:{phase}")  # worker rank 2 dies at its 5th push, in epoch 0
+    start = time.monotonic()
+    codes = launch(out, workers=3, speeds="1,1,1")
+    elapsed = time.monotonic() - start
+    assert codes == [0, 0, -9, 0], (codes, errors(out))
+    summary = json.loads((out / "summary.json").read_text())
+    (drop,) = read_metrics(out, "drop")
+    assert drop["rank"] == 1 and summary["dropped"] == [{"rank": 1, "version": drop["version"],
+                                                         "reason": drop["reason"]}]
+    if phase == "before":  # silent: noticed by the heartbeat, its held batch dealt again
+        assert "sent nothing for" in drop["reason"] and "--heartbeat-s 2" in drop["reason"]
+        assert drop["redealt"] > 0
+    else:  # its 5th push was sent; the server's next exchange with it failed (a gloo error, not the heartbeat)
+        assert "connection failed" in drop["reason"] and drop["redealt"] > 0
+        # Usually the push is applied and the reply with the next batch fails; if the dead process's reset
+        # reaches the server before it read the gradients, that read fails and the push's batch is dealt again.
+        assert sum(p["rank"] == 1 for p in read_metrics(out, "push")) in (4, 5)
+    assert drop["live"] == [0, 2] and sum(drop["batches"]) == 1000  # its share went to the others
+    assert "warning: dropped worker rank 2 at version" in capfd.readouterr().err
+    pushes = read_metrics(out, "push")
+    assert [p["version"] for p in pushes] == list(range(1, len(pushes) + 1)) == list(range(1, summary["updates"] + 1))
+    assert all(p["rank"] != 1 for p in pushes if p["version"] > drop["version"])
+    assert drop["data_epoch"] in summary["complete_epochs"]  # what it held was dealt again and applied
+    check_every_sample_once_per_epoch(out, summary)
+    print(f"{phase}: {elapsed:.1f} s, drop at version {drop['version']}, {summary['updates']} updates, "
+          f"samples per epoch {summary['samples_per_epoch']}")
+
+
+def test_a_killed_server_resumes_from_its_checkpoint_and_completes(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    flags = dict(workers=2, speeds="1,1", checkpoint_every=4, keep_checkpoints=2, epochs=3, max_time_s=None,
+                 heartbeat_s=30.0)  # 60 pushes, nobody silent
+    monkeypatch.setenv(ENV, "0:30")  # the server dies once it reached version 30 (checkpoints every 8)
+    codes = launch(out, **flags)
+    assert codes[0] == -9 and all(c != 0 for c in codes[1:]), codes  # the workers lose the server
+    store = CheckpointStore(out / "checkpoints")
+    step = store.steps()[-1]
+    version = store.manifest(step)["meta"]["version"]
+    assert 0 < version <= 30 and step == version // 2 and len(store.steps()) == 2  # keep_checkpoints
+    before = [p["version"] for p in read_metrics(out, "push")]
+    assert max(before) >= 30
+
+    monkeypatch.delenv(ENV)
+    codes = launch(out, resume=True, **flags)
+    assert codes == [0, 0, 0], (codes, errors(out))
+    summary = json.loads((out / "summary.json").read_text())
+    (resume,) = read_metrics(out, "resume")
+    assert (resume["version"], resume["step"]) == (version, step) and summary["resumed_at_version"] == version
+    raw = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    at = next(i for i, r in enumerate(raw) if r["event"] == "resume")
+    redone = [r["version"] for r in raw[at:] if r["event"] == "push"]
+    assert redone[0] == version + 1  # it continued at the checkpoint's version, not from 0 nor from 30
+    assert [r["version"] for r in raw[:at] if r["event"] == "push"][:version] == list(range(1, version + 1))
+    pushes = read_metrics(out, "push")  # the record as it stands: the pushes after the checkpoint are void
+    assert [p["version"] for p in pushes] == list(range(1, 61)) and summary["updates"] == 60
+    check_every_sample_once_per_epoch(out, summary)
+    cut = pushes[version - 1]["data_epoch"]  # the epoch the restart cut: its pending and lost samples dealt again
+    assert cut in summary["complete_epochs"] and cut < len(summary["samples_per_epoch"]) - 1
+
+
+def test_a_stop_signal_makes_the_server_checkpoint_and_stop_the_workers(tmp_path):
+    out = tmp_path / "run"
+    codes = launch(out, signal_after_pushes=20, workers=2, speeds="1,1", max_time_s=None, epochs=20,
+                   checkpoint_every=1000, heartbeat_s=30.0)
+    assert codes == [1, 0, 0], (codes, errors(out))  # the server raised Stopped; the workers were told to stop
+    (message,) = errors(out).values()
+    assert message.startswith("Stopped: SIGTERM received: stopped at version") and "--resume" in message
+    store = CheckpointStore(out / "checkpoints")
+    (step,) = store.steps()  # not due (every 1000 steps): the stop's own checkpoint
+    version = store.manifest(step)["meta"]["version"]
+    assert f"stopped at version {version} after a checkpoint" in message
+    assert version >= 20 and max(p["version"] for p in read_metrics(out, "push")) == version
