@@ -5,8 +5,10 @@ on Ctrl-C, ``kill`` or a failure elsewhere. A worker's handler only records
 the request (:func:`stop_requested`); the BSP session agrees on it across
 ranks at the next control interval end (one flag in the interval's
 all-gather), writes a final checkpoint where the loop has one, and raises
-:class:`Stopped`. A second signal gives up on the safe point and exits at
-once, as does the launcher after its grace period.
+:class:`Stopped`. A second signal more than a second later gives up on the
+safe point and exits at once, as does the launcher after its grace period
+(one within a second is the same stop delivered twice: ``kill -TERM -<pgid>``
+reaches every process, and the launcher forwards one too).
 
 Pure Python (no torch). Run: ``python -m pytest -q tests/faults``
 """
@@ -16,9 +18,12 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 
 _requested = threading.Event()
 _signal_name: list[str] = []
+_signal: list[tuple[int, float]] = []  # (signum, monotonic time) of the first signal
+DUPLICATE_S = 1.0  # a second signal this soon is the same stop (kill -TERM -<pgid> and the launcher both send one)
 
 
 class Stopped(RuntimeError):
@@ -39,16 +44,26 @@ def reason() -> str:
     return _signal_name[0] if _signal_name else ""
 
 
+def signal_number() -> int | None:
+    """The signal that asked for the stop (None: none, or asked for in code)."""
+    return _signal[0][0] if _signal else None
+
+
 def clear() -> None:
     """Forget a request (tests, and a process that starts a new run)."""
     _requested.clear()
     _signal_name.clear()
+    _signal.clear()
 
 
 def _handler(signum: int, frame) -> None:
     name = signal.Signals(signum).name
-    if _requested.is_set():  # the second signal: no safe point, leave now
-        sys.exit(128 + signum)
+    now = time.monotonic()
+    if _requested.is_set():
+        if _signal and now - _signal[0][1] < DUPLICATE_S:
+            return  # the same stop, delivered twice (the process group and the launcher)
+        sys.exit(128 + signum)  # a second, later signal: no safe point, leave now
+    _signal.append((signum, now))
     request_stop(f"{name} received")
 
 

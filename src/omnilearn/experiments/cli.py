@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -435,7 +436,8 @@ def missing_harness_modules() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from omnilearn.experiments.launch import WorkerFailed
+    from omnilearn.experiments.launch import Interrupted, WorkerFailed
+    from omnilearn.stopping import Stopped, signal_number
 
     if missing_harness_modules():
         print(f"omnilearn: error: {NEEDS_EXTRA}", file=sys.stderr)
@@ -451,9 +453,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, RunDirError) as e:
         print(f"omnilearn: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as e:  # Ctrl-C or kill: every worker stopped (after a final checkpoint where it could)
+        print(f"omnilearn: {e}", file=sys.stderr)
+        return e.exit_code
     except WorkerFailed as e:
         print(f"omnilearn: error: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except Stopped as e:  # a torchrun rank told to stop: its final checkpoint is written
+        print(f"omnilearn: {e}", file=sys.stderr)
+        return 128 + (signal_number() or signal.SIGTERM)
     except KeyboardInterrupt:
         print("omnilearn: interrupted", file=sys.stderr)
         return 130
