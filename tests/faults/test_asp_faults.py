@@ -12,9 +12,13 @@
 - SIGTERM to every process (what the launcher sends on Ctrl-C): the server saves a
   checkpoint at once, tells the workers to stop (they exit 0) and raises ``Stopped``.
 
-The processes are started here as the launcher starts them (one process group, the
-harness's ``train_asp`` per rank), not through ``omnilearn train``: the local launcher
-stops every process when one dies, which is what the ASP server must not need.
+The processes of the tests above are started here as the launcher starts them (one
+process group, the harness's ``train_asp`` per rank). The tests at the end go through
+``omnilearn train --mode asp`` itself (:mod:`omnilearn.experiments.supervise`): a killed
+worker leaves the run going (exit 0, one warning line naming it); a killed server fails the
+attempt, naming ``the parameter server (rank 0)``, and ``--max-restarts 1`` resumes it; a
+hung (SIGSTOPped) server is named by its workers' watchdogs and every process ends.
+In-process: who watches whom in ASP, and the launcher's blame naming the server.
 
 Run: ``python -m pytest -q tests/faults/test_asp_faults.py`` (about a minute on 2 cores).
 """
@@ -29,15 +33,19 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from omnilearn import stopping
 from omnilearn.asp.faults import ENV
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.distributed import group
+from omnilearn.distributed import watchdog as wd
 from omnilearn.experiments import workload
 from omnilearn.experiments.asp_train import train_asp
+from omnilearn.experiments.cli import main
 from omnilearn.experiments.config import TrainConfig
+from omnilearn.experiments.supervise import Exit, blame
 from omnilearn.observe.rundir import read_metrics
 
 pytestmark = pytest.mark.dist
@@ -186,3 +194,99 @@ def test_a_stop_signal_makes_the_server_checkpoint_and_stop_the_workers(tmp_path
     version = store.manifest(step)["meta"]["version"]
     assert f"stopped at version {version} after a checkpoint" in message
     assert version >= 20 and max(p["version"] for p in read_metrics(out, "push")) == version
+
+
+# ------------------------------------------------------------------ through ``omnilearn train`` (the launcher)
+CLI = ("--mode", "asp", "--dataset", "mnist1d", "--global-batch", "1000", "--control-interval", "3",
+       "--lr-schedule", "constant", "--no-plots")  # RUN's settings, as flags
+
+
+def test_under_the_launcher_a_killed_worker_is_dropped_and_the_run_succeeds(tmp_path, monkeypatch, capfd):
+    out = tmp_path / "run"
+    monkeypatch.setenv(ENV, "2:5")  # worker rank 2 dies before its 5th push
+    start = time.monotonic()
+    code = main(["train", "--out", str(out), "--workers", "3", "--speeds", "1,1,1", "--epochs", "100",
+                 "--max-time-s", "5", "--heartbeat-s", "2", *CLI])
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("omnilearn: warning: worker rank")]
+    assert warnings == ["omnilearn: warning: worker rank 2 died (killed by SIGKILL); the server dealt its samples "
+                        "to the others"], err
+    (drop,) = read_metrics(out, "drop")
+    assert drop["rank"] == 1 and "sent nothing for" in drop["reason"] and drop["live"] == [0, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert drop["data_epoch"] in summary["complete_epochs"]
+    check_every_sample_once_per_epoch(out, summary)
+    assert list(out.glob("error-rank*.log")) == []  # the others neither failed nor were stopped by the launcher
+    print(f"{elapsed:.1f} s, drop at version {drop['version']}, {summary['updates']} updates")
+
+
+def test_under_the_launcher_a_killed_server_is_restarted_and_resumes(tmp_path, monkeypatch, capfd):
+    out = tmp_path / "run"
+    monkeypatch.setenv(ENV, "0:30")  # the server dies once it reached version 30 (checkpoints every 8)
+    code = main(["train", "--out", str(out), "--workers", "2", "--speeds", "1,1", "--epochs", "3",
+                 "--checkpoint-every", "4", "--keep-checkpoints", "2", "--heartbeat-s", "30", "--max-restarts", "1",
+                 *CLI])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "omnilearn: the parameter server (rank 0) died (killed by SIGKILL); restart 1 of 1 from the checkpoint " \
+           "of step" in err, err
+    (resume,) = read_metrics(out, "resume")
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 < resume["version"] <= 30 and summary["resumed_at_version"] == resume["version"]
+    pushes = read_metrics(out, "push")
+    assert [p["version"] for p in pushes] == list(range(1, 61)) and summary["updates"] == 60
+    check_every_sample_once_per_epoch(out, summary)
+    assert (out / "failures" / "attempt-1").is_dir()
+
+
+def test_under_the_launcher_a_hung_server_is_named_and_every_process_ends(start_train, wait_for):
+    run = start_train("--workers", "2", "--speeds", "1,1", "--epochs", "100", "--max-time-s", "60",
+                      "--heartbeat-s", "3", *CLI)
+    metrics = run.run_dir / "metrics.jsonl"
+    wait_for(lambda: run.proc.poll() is not None or (len(run.worker_pids()) == 3 and metrics.exists()
+                                                     and '"event":"push"' in metrics.read_text()),
+             120, "the run trains")
+    assert run.proc.poll() is None, run.stderr()
+    procs = run.processes()
+    os.kill(run.worker_pids()[0], signal.SIGSTOP)
+    assert run.proc.wait(timeout=30) == 1  # 3 s of silence, then the launcher's grace of 2 s
+    last = run.stderr().strip().splitlines()[-1]
+    assert last.startswith("omnilearn: error: the parameter server (rank 0) stopped answering: no heartbeat for "
+                           "3 s"), run.stderr()
+    wait_for(lambda: not run.survivors(procs), 10, "every process of the run ends")
+
+
+# ------------------------------------------------------------------ in-process: who watches whom, blame
+def test_in_asp_the_workers_watch_the_server_and_the_server_watches_nobody():
+    assert [wd.peers_of(r, 4, "asp") for r in range(4)] == [[], [0], [0], [0]]
+    assert [wd.peers_of(r, 4) for r in range(2)] == [[1, 2], [2, 3]]  # BSP: the ring
+    store, verdicts = dist.HashStore(), []
+    server = wd.Watchdog(store, 0, 3, 0.6, verdicts.append, namespace="server", mode="asp").start()
+    time.sleep(1.5)  # its workers never beat: the server's thread does not mind (the server drops them itself)
+    server.stop()
+    assert verdicts == [] and store.add(server.key(0), 0) > wd.DONE  # it beat, and said goodbye
+    worker = wd.Watchdog(store, 1, 3, 0.6, verdicts.append, namespace="worker", mode="asp")
+    store.add(worker.key(0), 1)  # the server beat once, then nothing
+    assert worker.start().wait(5)
+    assert verdicts == ["the parameter server (rank 0) stopped answering: no heartbeat for 0.6 s (hung, stopped or "
+                        "dead; --heartbeat-s 0.6)"] and wd.hung_rank(verdicts[0]) == 0
+
+
+def test_in_asp_blame_names_the_parameter_server_and_not_its_workers(tmp_path):
+    t = 1000.0
+    dead_worker = Exit(2, -signal.SIGKILL, t, ours=False)  # dropped by the server: not the cause
+    lost_server = wd.ErrorLog(t + 5.01, 1, "PeerTimeout: the server (rank 0) took no request (Connection reset)")
+    dead_server = Exit(0, -signal.SIGKILL, t + 5, ours=False)
+    assert blame([dead_worker, dead_server], [lost_server], tmp_path, "asp") == \
+        "the parameter server (rank 0) died (killed by SIGKILL)"
+    verdict = wd.ErrorLog(t + 6, 2, wd.hung_message(0, 3, mode="asp"))
+    killed_by_us = Exit(0, -signal.SIGKILL, t + 9, ours=True)
+    assert blame([dead_worker, killed_by_us], [lost_server, verdict], tmp_path, "asp") == \
+        f"{verdict.cause} (noticed by rank 2: {tmp_path}/error-rank2.log)"
+    assert verdict.cause.startswith("the parameter server (rank 0) stopped answering")
+    gone = wd.ErrorLog(t + 1, 0, "WorkersGone: all 2 workers are gone (worker rank 1 ...)")
+    assert blame([dead_worker, Exit(0, 1, t + 2, ours=False)], [gone], tmp_path, "asp").startswith(
+        "the parameter server (rank 0) failed: WorkersGone: all 2 workers are gone")
+    assert blame([dead_worker], [], tmp_path) == "worker rank 2 died (killed by SIGKILL)"  # BSP: every rank counts

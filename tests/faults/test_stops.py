@@ -33,7 +33,8 @@ import torch.multiprocessing as mp
 
 from omnilearn.distributed import group
 from omnilearn.distributed import watchdog as wd
-from omnilearn.experiments.launch import ErrorLog, Exit, blame, read_error_logs
+from omnilearn.distributed.watchdog import ErrorLog, read_error_logs
+from omnilearn.experiments.supervise import Exit, blame
 
 pytestmark = pytest.mark.dist
 

@@ -2,30 +2,43 @@
 
 Each rank runs one daemon thread. Every ``heartbeat_s / 6`` it adds 1 to its
 own counter ``omnilearn/hb/<generation>/<rank>`` in the process group's store
-and reads the counters of the next two ranks (a ring: every rank is watched
-by two others, so store traffic grows linearly with the world). A watched
-counter that has not moved for ``heartbeat_s`` -- local monotonic time of the
-last change, no clocks compared across hosts -- means every thread of that
-rank stopped: hung, SIGSTOPped or dead. The watcher then writes
-``error-rank<own rank>.log`` naming THAT rank (:func:`hung_rank` reads it back)
-and ends its own process with ``os._exit(1)``; the launcher (or torchrun)
-stops the rest. A peer not heard from at all yet (still starting) is given
-``first_beat_s``. A slow rank is not a hung one: its thread still beats. A rank
-that ends, normally or with its own error, says goodbye (its counter jumps by
-:data:`DONE`), so a finished peer is never taken for a hung one. A watcher
-that was itself frozen restarts its clocks instead of blaming its peers. A
-store that fails or does not answer within ``heartbeat_s`` (the process
-holding it is gone) ends the rank with a line saying so.
+and reads the counters of the ranks it watches (:func:`peers_of`):
+
+- BSP (every rank is needed at every step): the next two ranks, a ring:
+  every rank is watched by two others, so store traffic grows linearly with
+  the world.
+- ASP (only the parameter server, rank 0, is needed): each worker watches
+  rank 0 alone. The server watches nobody -- it drops a dead or silent
+  worker itself and goes on (:mod:`omnilearn.asp.membership`) -- but still
+  beats, for its workers. Verdicts name it ``the parameter server (rank 0)``
+  (:func:`rank_name`).
+
+A watched counter that has not moved for ``heartbeat_s`` -- local monotonic
+time of the last change, no clocks compared across hosts -- means every
+thread of that rank stopped: hung, SIGSTOPped or dead. The watcher then
+writes ``error-rank<own rank>.log`` naming THAT rank (:func:`hung_rank` reads
+it back) and ends its own process with ``os._exit(1)``; the launcher (or
+torchrun) stops the rest. A peer not heard from at all yet (still starting)
+is given ``first_beat_s``. A slow rank is not a hung one: its thread still
+beats. A rank that ends, normally or with its own error, says goodbye (its
+counter jumps by :data:`DONE`), so a finished peer is never taken for a hung
+one. A watcher that was itself frozen restarts its clocks instead of blaming
+its peers. A store that fails or does not answer within ``heartbeat_s`` (the
+process holding it is gone) ends the rank with a line saying so.
 
 The thread talks to a clone of the store it is given (:func:`start_watchdog`:
 the default group's), with its own connection and timeout: one ``add`` and
-two reads per tick, 0.3 store operations a second per rank at the default
-``heartbeat_s`` of 60. :func:`running` tells a library caller whether the
-launcher already runs one in this process. Limits: it checks that a rank's
-process runs, not that its training progresses (a main thread deadlocked
-with the GIL released still beats: the collective timeout catches that);
-a rank SIGSTOPped in the microseconds it holds a FileStore's file lock
-blocks its watchers' store calls too.
+a read per watched rank per tick, at most 0.3 store operations a second per
+rank at the default ``heartbeat_s`` of 60. :func:`running` tells a library
+caller whether the launcher already runs one in this process. Limits: it
+checks that a rank's process runs, not that its training progresses (a main
+thread deadlocked with the GIL released still beats: the collective timeout
+catches that); a rank SIGSTOPped in the microseconds it holds a FileStore's
+file lock blocks its watchers' store calls too.
+
+Error logs: :func:`write_error_log` is how any rank reports what ended it
+(the watchdog's verdicts and a rank's own exceptions alike);
+:func:`read_error_logs` is how the launcher reads them back.
 
 Run: ``python -m pytest -q tests/faults/test_stops.py``
 """
@@ -38,6 +51,7 @@ import re
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -47,30 +61,42 @@ import torch.distributed as dist
 from omnilearn.distributed.group import DistContext
 
 PREFIX = "omnilearn/hb"
+MODES = ("bsp", "asp")  # who watches whom: see peers_of
+SERVER = 0  # the parameter server's rank in ASP
 BEATS_PER_HEARTBEAT = 6  # ticks per heartbeat_s: a silence is noticed between heartbeat_s and 7/6 of it
-WATCHED_PEERS = 2  # each rank watches the next ones in the ring
+WATCHED_PEERS = 2  # BSP: each rank watches the next ones in the ring
 DONE = 1 << 40  # added to a counter when its rank leaves: watchers stop watching it
-_HUNG = re.compile(r"^worker rank (\d+) stopped answering:")
+_HUNG = re.compile(r"^(?:worker rank (\d+)|the parameter server \(rank (\d+)\)) stopped answering:")
 _generations = itertools.count()  # one key space per watchdog a process starts (same sequence on every rank)
 _running: set["Watchdog"] = set()
 
 
-def hung_message(rank: int, limit_s: float, heard: bool = True) -> str:
+def rank_name(rank: int, mode: str = "bsp") -> str:
+    """How messages name a rank: ``worker rank R``; in ASP rank 0 is ``the parameter server (rank 0)``."""
+    return f"the parameter server (rank {rank})" if mode == "asp" and rank == SERVER else f"worker rank {rank}"
+
+
+def hung_message(rank: int, limit_s: float, heard: bool = True, mode: str = "bsp") -> str:
     """The verdict on a rank silent for ``limit_s`` (``heard``: it had beaten before, else it never did)."""
     if not heard:
-        return (f"worker rank {rank} stopped answering: no heartbeat at all in its first {limit_s:g} s "
+        return (f"{rank_name(rank, mode)} stopped answering: no heartbeat at all in its first {limit_s:g} s "
                 f"(hung, stopped or dead while starting)")
-    return (f"worker rank {rank} stopped answering: no heartbeat for {limit_s:g} s "
+    return (f"{rank_name(rank, mode)} stopped answering: no heartbeat for {limit_s:g} s "
             f"(hung, stopped or dead; --heartbeat-s {limit_s:g})")
 
 
 def hung_rank(cause: str) -> int | None:
     """The rank a watchdog's error line blames, or None for any other error."""
     found = _HUNG.match(cause)
-    return int(found.group(1)) if found else None
+    return int(found.group(1) or found.group(2)) if found else None
 
 
-def watched_peers(rank: int, world_size: int, k: int = WATCHED_PEERS) -> list[int]:
+def peers_of(rank: int, world_size: int, mode: str = "bsp", k: int = WATCHED_PEERS) -> list[int]:
+    """The ranks ``rank`` watches. BSP: the next ``k`` in the ring. ASP: a worker the server; the server none."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "asp":
+        return [SERVER] if rank != SERVER else []
     return [(rank + i) % world_size for i in range(1, min(k, world_size - 1) + 1)]
 
 
@@ -93,6 +119,37 @@ def write_error_log(log_dir: Path, rank: int, cause: str, details: str = "") -> 
         return False
 
 
+@dataclass(frozen=True, order=True)
+class ErrorLog:
+    """The first line of one ``error-rank<R>.log``."""
+
+    stamp: float  # unix time of the error
+    rank: int
+    cause: str
+
+
+def read_error_log(path: Path) -> ErrorLog | None:
+    """One ``error-rank<R>.log``; a damaged one is stamped with its mtime; None if unreadable or misnamed."""
+    try:
+        rank = int(path.stem.removeprefix("error-rank"))
+        first = path.read_text(encoding="utf-8", errors="replace").partition("\n")[0].strip()
+        mtime = path.stat().st_mtime
+    except (OSError, ValueError):
+        return None
+    stamp, _, cause = first.partition(" ")
+    try:
+        when = float(stamp)
+    except ValueError:
+        when, cause = mtime, first
+    return ErrorLog(when, rank, cause.strip() or "(empty error log)")
+
+
+def read_error_logs(log_dir: Path, since: float = 0.0) -> list[ErrorLog]:
+    """The ``error-rank*.log`` in ``log_dir`` stamped at or after ``since``, oldest first; damaged ones by mtime."""
+    logs = (read_error_log(path) for path in Path(log_dir).glob("error-rank*.log"))
+    return sorted(log for log in logs if log is not None and log.stamp >= since)
+
+
 def exit_on_lost(rank: int, log_dir: Path | None, echo: bool = True) -> Callable[[str], None]:
     """What a watchdog does by default with a verdict: write the error log, say it on stderr, exit the process."""
 
@@ -107,17 +164,20 @@ def exit_on_lost(rank: int, log_dir: Path | None, echo: bool = True) -> Callable
 
 
 class Watchdog:
-    """One rank's heartbeat thread; ``on_lost(message)`` gets the one-line verdict (default: :func:`exit_on_lost`)."""
+    """One rank's heartbeat thread; ``on_lost(message)`` gets the one-line verdict (default: :func:`exit_on_lost`).
+
+    ``mode`` (``bsp`` or ``asp``) decides whom it watches (:func:`peers_of`) and how a verdict names the rank.
+    """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, heartbeat_s: float,
                  on_lost: Callable[[str], None], first_beat_s: float | None = None,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, mode: str = "bsp") -> None:
         if not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s {heartbeat_s} must be positive, e.g. 60")
-        self.rank, self.heartbeat_s, self.on_lost = rank, heartbeat_s, on_lost
+        self.rank, self.heartbeat_s, self.on_lost, self.mode = rank, heartbeat_s, on_lost, mode
         self.first_beat_s = max(heartbeat_s, first_beat_s or 0.0)  # for a peer not heard from yet (still starting)
         self.interval_s = heartbeat_s / BEATS_PER_HEARTBEAT
-        self.peers = watched_peers(rank, world_size)
+        self.peers = peers_of(rank, world_size, mode)
         self.store = _own_connection(store, heartbeat_s)
         space = namespace or f"{PREFIX}/{next(_generations)}"  # every rank's n-th watchdog shares one key space
         self.key = lambda r: f"{space}/{r}"
@@ -171,7 +231,7 @@ class Watchdog:
                 if frozen or seen[peer][0] != value:
                     seen[peer] = (value, now)
                 elif now - seen[peer][1] >= (limit_s := self.heartbeat_s if value else self.first_beat_s):
-                    self.on_lost(hung_message(peer, limit_s, heard=value > 0))
+                    self.on_lost(hung_message(peer, limit_s, heard=value > 0, mode=self.mode))
                     return
             self._stopping.wait(self.interval_s)
 
@@ -182,8 +242,9 @@ def running() -> bool:
 
 
 def start_watchdog(ctx: DistContext, heartbeat_s: float, log_dir: Path | None = None, *,
-                   echo: bool = True) -> Watchdog | None:
-    """Watch this rank's peers in the default process group; None without a group of two or more.
+                   echo: bool = True, mode: str = "bsp") -> Watchdog | None:
+    """Watch this rank's peers (:func:`peers_of` in ``mode``) in the default process group; None without a group
+    of two or more.
 
     A verdict is written to ``log_dir/error-rank<R>.log`` (when given), printed on
     stderr (when ``echo`` or the log could not be written), and ends the process.
@@ -192,7 +253,8 @@ def start_watchdog(ctx: DistContext, heartbeat_s: float, log_dir: Path | None = 
     if not ctx.grouped or ctx.world_size < 2:
         return None
     store = dist.distributed_c10d._get_default_store()  # the group's store: torch has no public accessor
-    return Watchdog(store, ctx.rank, ctx.world_size, heartbeat_s, exit_on_lost(ctx.rank, log_dir, echo)).start()
+    return Watchdog(store, ctx.rank, ctx.world_size, heartbeat_s, exit_on_lost(ctx.rank, log_dir, echo),
+                    mode=mode).start()
 
 
 def _own_connection(store: dist.Store, timeout_s: float) -> dist.Store:
