@@ -93,8 +93,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--device", choices=DEVICES, help="auto (default: CUDA if present), cpu or cuda")
     add("--loader-workers", type=int, help="DataLoader worker processes per worker (default 0)")
     add("--timeout-s", type=float, help="seconds before a collective waiting on a dead peer fails (default 300)")
-    add("--heartbeat-s", type=float, help=f"a worker silent this long is reported as hung and the run stops "
-        f"(default {d['heartbeat_s'].default:g})")
+    add("--heartbeat-s", type=float, help=f"a worker silent this long is named as hung and the run stops; in "
+        f"--mode asp the server drops it and goes on (default {d['heartbeat_s'].default:g})")
     add("--oversubscribe", action="store_true", help="allow more local processes than 8 per core")
     add("--mode", choices=MODES, help="bsp (default: synchronous, DDP) or asp (asynchronous: a parameter server "
         "besides the --workers)")
@@ -119,8 +119,8 @@ def _train_parser(sub) -> None:
     add("--keep-checkpoints", type=int, help=f"checkpoints kept (default {TrainConfig.keep_checkpoints})")
     add("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, with its "
         "config.toml (flags override: e.g. another --workers); metrics are appended")
-    add("--max-restarts", type=int, help="local runs: after a worker fails, restart all from the latest checkpoint "
-        "up to this many times (default 0; under torchrun use torchrun --max-restarts)")
+    add("--max-restarts", type=int, help="local runs: after a worker fails (asp: the server), restart all from the "
+        "latest checkpoint up to this many times (default 0; under torchrun use torchrun --max-restarts)")
     add("--no-plots", dest="plots", action="store_false", help="do not render PNG plots at the end")
 
 
