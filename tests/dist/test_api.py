@@ -29,7 +29,7 @@ from torch import nn
 
 import omnilearn
 from omnilearn.config import ConfigError
-from omnilearn.observe.rundir import read_metrics
+from omnilearn.observe.metrics import read_metrics
 from omnilearn.data.plan import GlobalPlan
 
 pytestmark = pytest.mark.dist

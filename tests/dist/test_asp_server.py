@@ -30,7 +30,7 @@ from omnilearn.distributed.group import DistContext
 from omnilearn.distributed.ps import HELLO, PUSH, Request
 from omnilearn.experiments.asp_train import build_server, build_worker
 from omnilearn.experiments.config import TrainConfig
-from omnilearn.observe.rundir import read_metrics
+from omnilearn.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cli_run import load_weights, train
-from omnilearn.observe.rundir import read_metrics
+from omnilearn.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 

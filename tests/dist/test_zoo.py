@@ -15,7 +15,7 @@ from statistics import fmean
 import numpy as np
 import pytest
 
-from omnilearn.observe.rundir import read_metrics
+from omnilearn.observe.metrics import read_metrics
 
 from cli_run import load_weights, train
 

@@ -46,7 +46,7 @@ from omnilearn.experiments.asp_train import train_asp
 from omnilearn.experiments.cli import main
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.supervise import Exit, blame
-from omnilearn.observe.rundir import read_metrics
+from omnilearn.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 

@@ -37,7 +37,7 @@ from omnilearn.emulation.speeds import SpeedSchedule
 from omnilearn.observe.asplog import ASPLog
 from omnilearn.observe.events import EventRecorder
 from omnilearn.observe.recorder import Telemetry
-from omnilearn.observe.rundir import read_metrics
+from omnilearn.observe.metrics import read_metrics
 from omnilearn.observe.suffix import CHUNK_RECORDS, SuffixStats
 from omnilearn.runplan import RunPlan
 

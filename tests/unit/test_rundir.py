@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from omnilearn.observe import rundir
-from omnilearn.observe.rundir import (DiskFull, MetricsLog, RunDirError, disk_full, parse_jsonl, prepare,
-                                      read_metrics, save_model, size_text, write_atomic, write_json)
+from omnilearn.observe.metrics import parse_jsonl, read_metrics
+from omnilearn.observe.rundir import (DiskFull, MetricsLog, RunDirError, disk_full, prepare, save_model, size_text,
+                                      write_atomic, write_json)
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

@@ -23,7 +23,7 @@ pause of the training clock and of every worker's silence clock.
 Resume (``omnilearn train --resume``, :meth:`Snapshots.resume`): the newest
 checkpoint that loads is restored and a ``resume`` event (``version``,
 ``step``) appended; records after that version before it are void
-(:func:`~omnilearn.observe.rundir.replay`). The workers need nothing: they
+(:func:`~omnilearn.observe.metrics.replay`). The workers need nothing: they
 are new processes and pull the weights at their first request. A relaunch
 starts every worker again, so workers dropped before the checkpoint are
 taken back in: then the controller starts afresh for all ``n``. No

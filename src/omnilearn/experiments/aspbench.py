@@ -43,7 +43,8 @@ from omnilearn.experiments.bench import parse_settings as parse_any_setting
 from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, eval_points, spread,
                                   staleness_histogram, time_to_accuracy)
 from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
-from omnilearn.observe.rundir import RunDirError, prepare, read_metrics, write_json
+from omnilearn.observe.metrics import read_metrics
+from omnilearn.observe.rundir import RunDirError, prepare, write_json
 
 SETTINGS = ("HL1", "HL2", "HL4", "HL8")
 QUICK_SETTINGS = ("HL8",)

@@ -21,7 +21,8 @@ from omnilearn.experiments import launch
 from omnilearn.experiments.benchstats import (add_speedups, arm_figures, fidelity_error, markdown_table, reaction_steps,
                                   rows_from_records, settle_steps, time_to_accuracy)
 from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
-from omnilearn.observe.rundir import RunDirError, prepare, read_metrics, write_json
+from omnilearn.observe.metrics import read_metrics
+from omnilearn.observe.rundir import RunDirError, prepare, write_json
 
 SETTINGS = ("HL1", "HL2", "HL4", "HL8", "paper")
 ARMS = ("uniform", "static", "omnilearn")

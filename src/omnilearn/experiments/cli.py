@@ -30,12 +30,11 @@ from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, LANG
                               dump_toml, load_toml)
 from omnilearn.experiments.datasets.core import DATASETS
 from omnilearn.experiments.zoo.models import MODELS, is_language_model
-from omnilearn.experiments import preflight
+from omnilearn.experiments import preflight, restarts
 from omnilearn.experiments.presets import load_preset, preset_names
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.balance.controllers import CONTROLLERS
 from omnilearn.distributed.group import device_problem, launched_by_torchrun, torchrun_world_size
-from omnilearn.observe.recorder import FAILED_AT_ENV
 from omnilearn.observe.rundir import RunDirError, prepare
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -168,42 +167,12 @@ NOT_CONFIG = ("command", "config", "plots", "quick", "repeats", "target_accuracy
               "block_steps")
 
 
-# What a resumed run may change: how it runs, not what it computes (the weights must follow the same path).
-RESUME_MAY_CHANGE = frozenset({
-    "workers", "speeds", "speed_schedule", "emulator", "containers", "throttle_cpus", "controller", "deadband",
-    "min_batch", "max_batch", "control_interval", "device", "timeout_s", "heartbeat_s", "quiet", "loader_workers",
-    "checkpoint_every", "keep_checkpoints", "resume", "max_restarts", "oversubscribe", "out", "overwrite",
-    "data_dir", "preset", "max_time_s"})
-
-
-def _resumed_run(args: argparse.Namespace) -> dict:
-    """``--resume``: the run's own ``config.toml`` is the config file (flags still override)."""
-    if getattr(args, "config", None):
-        raise ConfigError("--resume takes its settings from the run's config.toml; drop --config (flags still "
-                          "override it)")
-    out = getattr(args, "out", None)
-    if out is None:
-        raise ConfigError("--resume needs --out: the run directory to continue")
-    if not (Path(out) / "config.toml").is_file():
-        raise ConfigError(f"--resume: {out!r} holds no run (no config.toml); check --out, or start a new run "
-                          "without --resume")
-    return load_toml(str(Path(out) / "config.toml"))
-
-
-def _check_resume(cfg: TrainConfig, run_values: dict) -> None:
-    """A resumed run computes what the original did: refuse a changed learning setting, naming it."""
-    original = build(run_values, {})
-    for name in TrainConfig.__dataclass_fields__:
-        if name not in RESUME_MAY_CHANGE and getattr(cfg, name) != getattr(original, name):
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} {getattr(cfg, name)!r} differs from the run's {getattr(original, name)!r}: a "
-                              f"resumed run keeps what it learns with; drop {flag} (or start a new run)")
-
-
 def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
     values = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
     values.update(overrides)
-    resumed = _resumed_run(args) if values.get("resume") else None
+    resumed = None
+    if values.get("resume"):
+        resumed = restarts.resumed_run(getattr(args, "config", None), getattr(args, "out", None))
     if resumed is not None and values.get("workers", resumed.get("workers")) != resumed.get("workers"):
         if "speeds" not in values:
             resumed.pop("speeds", None)  # the old run's speeds were for its worker count
@@ -231,7 +200,7 @@ def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
         file_values = {**ASP_DEFAULTS, **file_values}
     cfg = build(file_values, values)
     if resumed is not None:
-        _check_resume(cfg, resumed)
+        restarts.check_resume(cfg, build(resumed, {}))
     local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
     problem = device_problem(cfg.device, local_workers)
     if problem:
@@ -278,12 +247,11 @@ def _plots(path: Path) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
-    from omnilearn.experiments import launch
     from omnilearn.experiments import workload
     from omnilearn.experiments.workload import resolve
 
     cfg = _config(args)
-    if _torchrun_restart():  # a restarted torchrun rank continues the run in --out, whatever it holds
+    if restarts.torchrun_restart():  # a restarted torchrun rank continues the run in --out, whatever it holds
         cfg = dataclasses.replace(cfg, resume=True)
         for check in (preflight.check_processes, preflight.check_emulator, preflight.check_data):
             check(cfg)
@@ -299,22 +267,7 @@ def train(args: argparse.Namespace) -> int:
     server = " + a parameter server (asp)" if cfg.mode == "asp" else ""
     print(f"omnilearn: {cfg.workers} workers{server}, speeds {cfg.speeds}, controller {cfg.controller}, "
           f"global batch {cfg.global_batch}, run directory {run_dir}", flush=True)
-    if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local workers talk over loopback only (the trust model)
-    restarts = 0
-    while True:
-        try:
-            launch.run_local([launch.Job(cfg, run_dir)], run_dir)
-            break
-        except launch.WorkerFailed as e:
-            if restarts >= cfg.max_restarts or isinstance(e, getattr(launch, "Interrupted", ())):
-                raise
-            restarts += 1
-            kept = _keep_failure_logs(run_dir, restarts)
-            print(f"omnilearn: {e}; restart {restarts} of {cfg.max_restarts} from {_latest_checkpoint(run_dir)} "
-                  f"(logs kept in {kept})", file=sys.stderr, flush=True)
-            cfg = dataclasses.replace(cfg, resume=True)
-            os.environ[FAILED_AT_ENV] = f"{time.time():.6f}"  # the resumed run reports the time it took
+    restarts.run_local_with_restarts(cfg, run_dir)
     if getattr(args, "plots", True):
         _plots(run_dir)
     return 0
@@ -324,7 +277,7 @@ def _train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
     """One rank of a torchrun job; after a restart (``TORCHELASTIC_RESTART_COUNT`` > 0) it resumes the run."""
     from omnilearn.experiments import launch
 
-    restart = _torchrun_restart()
+    restart = restarts.torchrun_restart()
     if cfg.max_restarts:
         raise ConfigError(f"--max-restarts {cfg.max_restarts} restarts local runs; under torchrun use torchrun's "
                           "own --max-restarts")
@@ -339,27 +292,6 @@ def _train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
     if main_rank and getattr(args, "plots", True):
         _plots(run_dir)
     return 0
-
-
-def _torchrun_restart() -> int:
-    """How many times torchrun restarted this job's ranks (0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if launched_by_torchrun() else 0
-
-
-def _keep_failure_logs(run_dir: Path, attempt: int) -> Path:
-    """Move the failed attempt's ``error-rank*.log`` to ``RUN_DIR/failures/attempt-<k>/``."""
-    kept = run_dir / "failures" / f"attempt-{attempt}"
-    kept.mkdir(parents=True, exist_ok=True)
-    for log in run_dir.glob("error-rank*.log"):
-        log.replace(kept / log.name)
-    return kept
-
-
-def _latest_checkpoint(run_dir: Path) -> str:
-    from omnilearn.checkpoint import CheckpointStore
-
-    steps = CheckpointStore(run_dir / "checkpoints").steps()
-    return f"the checkpoint of step {steps[-1]}" if steps else "the start (no checkpoint yet)"
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ wall time), ``drop`` (a worker dropped: ``rank`` 0..n-1 as in ``push``,
 new ``batches``; also one warning line on stderr naming the worker's
 process rank) and ``resume`` (``version``, ``step``: the run continues
 from the checkpoint of that version; records after it before this line are
-void, :func:`~omnilearn.observe.rundir.replay`). :meth:`ASPLog.state_dict`
+void, :func:`~omnilearn.observe.metrics.replay`). :meth:`ASPLog.state_dict`
 is what a checkpoint carries over (counts and last values); after a resume
 the summary's per-worker means cover the pushes since the resume, its
 counts the whole run (as BSP's ``Telemetry``). No push is kept in memory: per worker

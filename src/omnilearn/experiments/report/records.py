@@ -25,7 +25,8 @@ from statistics import median
 from typing import Any, Sequence
 
 from omnilearn.balance.efficiency import StepRow, ideal_step_s
-from omnilearn.observe.rundir import RunDirError, parse_jsonl, replay  # replay: re-exported, every reader's rule
+from omnilearn.observe.metrics import parse_jsonl, replay  # replay: re-exported, every reader's rule
+from omnilearn.observe.rundir import RunDirError
 
 NAN = float("nan")
 STEP_FIELDS = ("step", "rank", "batch", "compute_s", "wait_s", "step_s")
@@ -95,7 +96,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a run's ``metrics.jsonl`` as the run stands; a bad line raises :class:`ReportError` naming it.
 
     Every reader here and in :mod:`.aspruns` / :mod:`.asp` comes through this: a last line cut by a crash is
-    left out with one warning (:func:`omnilearn.observe.rundir.parse_jsonl`), and of a resumed run only the
+    left out with one warning (:func:`omnilearn.observe.metrics.parse_jsonl`), and of a resumed run only the
     records the resumed run did not redo are kept (:func:`replay`, the one rule the library's
     ``read_metrics`` follows too), so each step is read once.
     """

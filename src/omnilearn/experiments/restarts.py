@@ -1,0 +1,98 @@
+"""Resuming and restarting a run: ``--resume``, ``--max-restarts``, torchrun restarts.
+
+- :func:`resumed_run` / :func:`check_resume`: ``--resume`` takes the run's own
+  ``config.toml`` (flags override it) and refuses a flag that would change
+  what is learned (:data:`RESUME_MAY_CHANGE` lists what may change).
+- :func:`run_local_with_restarts`: the local launcher, again from the newest
+  checkpoint after a failure, up to ``--max-restarts`` times; the failed
+  attempt's error logs move to ``RUN_DIR/failures/attempt-<k>/``. Never after
+  a stop signal (:class:`~omnilearn.experiments.launch.Interrupted`).
+- :func:`torchrun_restart`: how many times torchrun restarted this rank's job;
+  a restarted rank resumes the run in ``--out``.
+
+Run: ``python -m pytest -q tests/faults/test_resume.py``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+from omnilearn.checkpoint import CheckpointStore
+from omnilearn.config import ConfigError
+from omnilearn.distributed.group import launched_by_torchrun
+from omnilearn.experiments import launch
+from omnilearn.experiments.config import TrainConfig, load_toml
+from omnilearn.observe.recorder import FAILED_AT_ENV
+
+# What a resumed run may change: how it runs, not what it computes (the weights must follow the same path).
+RESUME_MAY_CHANGE = frozenset({
+    "workers", "speeds", "speed_schedule", "emulator", "containers", "throttle_cpus", "controller", "deadband",
+    "min_batch", "max_batch", "control_interval", "device", "timeout_s", "heartbeat_s", "quiet", "loader_workers",
+    "checkpoint_every", "keep_checkpoints", "resume", "max_restarts", "oversubscribe", "out", "overwrite",
+    "data_dir", "preset", "max_time_s"})
+
+
+def resumed_run(config: str | None, out: str | None) -> dict:
+    """``--resume``: the run's own ``config.toml`` is the config file (flags still override)."""
+    if config:
+        raise ConfigError("--resume takes its settings from the run's config.toml; drop --config (flags still "
+                          "override it)")
+    if out is None:
+        raise ConfigError("--resume needs --out: the run directory to continue")
+    if not (Path(out) / "config.toml").is_file():
+        raise ConfigError(f"--resume: {out!r} holds no run (no config.toml); check --out, or start a new run "
+                          "without --resume")
+    return load_toml(str(Path(out) / "config.toml"))
+
+
+def check_resume(cfg: TrainConfig, original: TrainConfig) -> None:
+    """A resumed run computes what the original did: refuse a changed learning setting, naming it."""
+    for name in TrainConfig.__dataclass_fields__:
+        if name not in RESUME_MAY_CHANGE and getattr(cfg, name) != getattr(original, name):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {getattr(cfg, name)!r} differs from the run's {getattr(original, name)!r}: a "
+                              f"resumed run keeps what it learns with; drop {flag} (or start a new run)")
+
+
+
+def run_local_with_restarts(cfg: TrainConfig, run_dir: Path) -> None:
+    """Run the local workers; after a failure resume from the newest checkpoint, ``cfg.max_restarts`` times."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local workers talk over loopback only (the trust model)
+    attempt = 0
+    while True:
+        try:
+            launch.run_local([launch.Job(cfg, run_dir)], run_dir)
+            return
+        except launch.WorkerFailed as e:
+            if attempt >= cfg.max_restarts or isinstance(e, launch.Interrupted):
+                raise
+            attempt += 1
+            kept = keep_failure_logs(run_dir, attempt)
+            print(f"omnilearn: {e}; restart {attempt} of {cfg.max_restarts} from {latest_checkpoint(run_dir)} "
+                  f"(logs kept in {kept})", file=sys.stderr, flush=True)
+            cfg = dataclasses.replace(cfg, resume=True)
+            os.environ[FAILED_AT_ENV] = f"{time.time():.6f}"  # the resumed run reports the time it took
+
+
+def torchrun_restart() -> int:
+    """How many times torchrun restarted this job's ranks (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if launched_by_torchrun() else 0
+
+
+def keep_failure_logs(run_dir: Path, attempt: int) -> Path:
+    """Move the failed attempt's ``error-rank*.log`` to ``RUN_DIR/failures/attempt-<k>/``."""
+    kept = run_dir / "failures" / f"attempt-{attempt}"
+    kept.mkdir(parents=True, exist_ok=True)
+    for log in run_dir.glob("error-rank*.log"):
+        log.replace(kept / log.name)
+    return kept
+
+
+def latest_checkpoint(run_dir: Path) -> str:
+    steps = CheckpointStore(run_dir / "checkpoints").steps()
+    return f"the checkpoint of step {steps[-1]}" if steps else "the start (no checkpoint yet)"
