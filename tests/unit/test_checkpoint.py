@@ -129,6 +129,7 @@ def test_session_checkpoint_resumes_exactly(tmp_path):
     assert whole[3].state_dict()["state"][0]["momentum_buffer"].equal(again[3].state_dict()["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: what DCP assumes
 def test_session_is_stateful_for_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp
 
