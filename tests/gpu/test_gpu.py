@@ -131,3 +131,22 @@ def test_two_gpus_heterogeneous_accumulating_equal_one_process(tmp_path):
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert close(a, b) == 0.0
     assert close(a, reference(torch.device("cuda", 0), 24, 64)) < 1e-4
+
+
+def test_checkpoint_on_nccl_resumes_the_same_weights(tmp_path):
+    """Save on a one-GPU NCCL group (rank parts gathered and the file broadcast as CUDA byte tensors), resume."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ol = omnilearn.setup(global_batch=64, control_interval=4, accumulation_steps=2, device="cuda")
+        model = ol.wrap_model(token_model())
+        loader = ol.data_loader(TokenData(512, 16, 32))
+        train(ol, model, loader, 8)
+        path = ol.save_checkpoint(tmp_path / "ckpt", model=model)
+        assert path is not None and path.exists()
+        saved = {k: v.detach().cpu().clone() for k, v in ol.module.state_dict().items()}
+        train(ol, model, loader, 12)  # move on, then come back
+        assert ol.load_checkpoint(tmp_path / "ckpt", model=model)
+        assert ol.next_step == 8 and ol.module.state_dict()["0.weight"].device.type == "cuda"
+        assert close({k: v.detach().cpu() for k, v in ol.module.state_dict().items()}, saved) == 0
+    finally:
+        dist.destroy_process_group()
