@@ -21,6 +21,9 @@ then loads the model, optimizer, scheduler and session state. The session
 state may come from another worker count (:meth:`Session.load_state_dict`:
 the split is re-planned, the data position carries on).
 
+The session's own ``state_dict`` (:func:`session_state`, :func:`load_session_state`,
+elastic loading included) lives here too; ``Session`` delegates to it.
+
 Run: ``python -m pytest -q tests/unit/test_checkpoint.py tests/faults/test_resume.py``
 """
 
@@ -32,12 +35,13 @@ from typing import Any
 
 import torch
 
+from omnilearn.bsp.rng import load_rng_state, rng_state, seed_rank
 from omnilearn.checkpoint import CheckpointError, CheckpointStore
 from omnilearn.distributed.collect import broadcast_bytes, gather_bytes
 
 Session = Any  # omnilearn.bsp.session.Session, which imports this module
 
-PARTS = ("model", "optimizer", "scheduler")
+STATE_FORMAT = 1  # of the session's state_dict
 
 
 def to_bytes(obj: Any) -> bytes:
@@ -110,3 +114,48 @@ def _apply(session: Session, state: dict, objects: dict[str, Any]) -> dict:
         _unwrapped(session, obj).load_state_dict(state[name])
     session.load_state_dict(state["session"])
     return state.get("extra", {})
+
+
+def session_state(session: Session) -> dict:
+    """The session's ``state_dict``: plain values and tensors; this rank's own part under ``rank<r>``."""
+    mine = {"rng": rng_state(session.device), "window": [list(r) for r in session.ledger.rows()]}
+    if session.telemetry is not None:
+        mine["telemetry"] = session.telemetry.state_dict()
+    return {"format": STATE_FORMAT, "world_size": session.world_size, "global_batch": session.cfg.global_batch,
+            "steps_done": session.steps_done, "next_step": session.next_step, "train_s": session.clock.at_last_step_s,
+            "loop": session.loop.state_dict(), "schedule": session.schedule.state_dict(),
+            "sampler": session.sampler.state_dict(), f"rank{session.rank}": mine}
+
+
+def load_session_state(session: Session, state: dict) -> None:
+    """Restore :func:`session_state` (same global batch).
+
+    From another worker count (elastic): the data position, step count and
+    training time carry on; the split starts afresh from the declared speeds
+    for the new workers and the controller relearns them; ranks the old run
+    did not have are seeded from ``(seed, rank)``. The samples of every step
+    do not depend on the split, so the weights still follow the same path.
+    """
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"session state format {state.get('format')!r}; this version reads {STATE_FORMAT}")
+    if state["global_batch"] != session.global_batch:
+        raise ValueError(f"session state of global batch {state['global_batch']} loaded into a session of "
+                         f"{session.global_batch}: resume with --global-batch {state['global_batch']}")
+    same = int(state["world_size"]) == session.world_size
+    if same:
+        session.loop.load_state_dict(state["loop"])
+        session.schedule.load_state_dict(state["schedule"])
+    session.sampler.load_state_dict(state["sampler"])
+    session.steps_done, session.next_step = int(state["steps_done"]), int(state["next_step"])
+    session.clock.restore(float(state["train_s"]))
+    mine = state.get(f"rank{session.rank}")
+    if mine is not None:
+        load_rng_state(mine["rng"], session.device)
+        if same:
+            session.ledger.resolved = [[float(v) for v in r] for r in mine["window"]]
+    else:
+        seed_rank(session.cfg.seed, session.rank)
+    session.rng_restored = True
+    session.resumed_from = (session.next_step, int(state["world_size"]))
+    session.pending_telemetry = (state.get("rank0") or {}).get("telemetry", {})
+    session.restore_telemetry()

@@ -69,7 +69,7 @@ from omnilearn.bsp import checkpointing
 from omnilearn.bsp.interval import SYNC_BUFFERS, check_same_settings, end_window, meet
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp.micro import MicroSteps
-from omnilearn.bsp.rng import load_rng_state, rank_seed, rng_state, seed_rank
+from omnilearn.bsp.rng import rank_seed, seed_rank
 from omnilearn.bsp.steps import ROW_FIELDS, StepLedger
 from omnilearn.bsp.wrap import wrap
 from omnilearn.config import BalanceConfig, ConfigError
@@ -84,7 +84,6 @@ from omnilearn.stopping import stop_requested
 from omnilearn.timing import StepTimer
 from omnilearn.trainclock import TrainClock
 
-STATE_FORMAT = 1
 
 
 class Session:
@@ -116,10 +115,10 @@ class Session:
         self.run: RunPlan | None = None
         self.telemetry: Telemetry | None = None
         self.clock = TrainClock()
-        self._rng_restored = False
+        self.rng_restored = False
         self.should_stop = False  # a stop signal reached some rank: every rank sees it after the same step
         self.resumed_from: tuple[int, int] | None = None  # (step, the checkpoint's worker count) after a load
-        self._telemetry_state: dict | None = None  # rank 0's record counters from a checkpoint, for the Telemetry
+        self.pending_telemetry: dict | None = None  # rank 0's record counters from a checkpoint, for the Telemetry
 
     device = property(lambda self: self.ctx.device)
     rank = property(lambda self: self.ctx.rank)
@@ -161,7 +160,7 @@ class Session:
         if self.model is not None:
             raise RuntimeError("wrap_model() was already called: one model per session")
         self.model = self.micro.model = wrap(model, self.device, self.ctx.grouped, self.hook, **ddp_kwargs)
-        if not self._rng_restored:
+        if not self.rng_restored:
             seed_rank(self.cfg.seed, self.rank)
         return self.model
 
@@ -186,7 +185,7 @@ class Session:
         )
         if self.is_main:
             self.telemetry = Telemetry(self.cfg, self.run, self.run_dir)
-            self._restore_telemetry()
+            self.restore_telemetry()
         self.loader = BalancedLoader(loader, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
         return self.loader
 
@@ -293,51 +292,22 @@ class Session:
         Rank-specific parts (random streams, this interval's rows; on rank 0
         the record's counters) sit under ``rank<r>``.
         """
-        mine = {"rng": rng_state(self.device), "window": [list(r) for r in self.ledger.rows()]}
-        if self.telemetry is not None:
-            mine["telemetry"] = self.telemetry.state_dict()
-        return {"format": STATE_FORMAT, "world_size": self.world_size, "global_batch": self.cfg.global_batch,
-                "steps_done": self.steps_done, "next_step": self.next_step, "train_s": self.clock.at_last_step_s,
-                "loop": self.loop.state_dict(), "schedule": self.schedule.state_dict(),
-                "sampler": self.sampler.state_dict(), f"rank{self.rank}": mine}
+        return checkpointing.session_state(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (same global batch; call before training on).
 
-        From another worker count (elastic): the data position, step count and
-        training time carry on; the split starts afresh from the declared speeds
-        for the new workers and the controller relearns them; ranks the old run
-        did not have are seeded from ``(seed, rank)``. The samples of every step
-        do not depend on the split, so the weights still follow the same path.
+        From another worker count (elastic) the data position, step count and
+        training time carry on and the split is re-planned for the new workers
+        (:func:`omnilearn.bsp.checkpointing.load_session_state`).
         """
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"session state format {state.get('format')!r}; this version reads {STATE_FORMAT}")
-        if state["global_batch"] != self.global_batch:
-            raise ValueError(f"session state of global batch {state['global_batch']} loaded into a session of "
-                             f"{self.global_batch}: resume with --global-batch {state['global_batch']}")
-        same = int(state["world_size"]) == self.world_size
-        if same:
-            self.loop.load_state_dict(state["loop"])
-            self.schedule.load_state_dict(state["schedule"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.steps_done, self.next_step = int(state["steps_done"]), int(state["next_step"])
-        self.clock.restore(float(state["train_s"]))
-        mine = state.get(f"rank{self.rank}")
-        if mine is not None:
-            load_rng_state(mine["rng"], self.device)
-            if same:
-                self.ledger.resolved = [[float(v) for v in r] for r in mine["window"]]
-        else:
-            seed_rank(self.cfg.seed, self.rank)
-        self._rng_restored = True
-        self.resumed_from = (self.next_step, int(state["world_size"]))
-        self._telemetry_state = (state.get("rank0") or {}).get("telemetry", {})
-        self._restore_telemetry()
+        checkpointing.load_session_state(self, state)
 
-    def _restore_telemetry(self) -> None:
-        if self.telemetry is not None and self.resumed_from is not None and self._telemetry_state is not None:
-            self.telemetry.resume(self._telemetry_state, *self.resumed_from)
-            self._telemetry_state = None
+    def restore_telemetry(self) -> None:
+        """Hand a loaded checkpoint's record counters to the Telemetry once both exist (rank 0)."""
+        if self.telemetry is not None and self.resumed_from is not None and self.pending_telemetry is not None:
+            self.telemetry.resume(self.pending_telemetry, *self.resumed_from)
+            self.pending_telemetry = None
 
     def save_checkpoint(self, directory: str | Path, *, model: nn.Module | None = None, optimizer=None,
                         scheduler=None, extra: dict | None = None, keep: int = 3) -> Path | None:
