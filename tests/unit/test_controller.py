@@ -33,6 +33,7 @@ from omnilearn.balance.controllers import (
     Decision,
     Estimates,
     FixedController,
+    ModelController,
     ProportionalController,
     make_controller,
 )
@@ -180,7 +181,8 @@ def test_make_controller_builds_each_choice():
     assert omni.initial() == [16, 16, 16, 16]
     assert isinstance(make_controller("static", bounds, [1, 1, 1, 5]), FixedController)
     assert make_controller("static", bounds, [1, 1, 1, 5]).initial() == [8, 8, 8, 40]
-    assert set(CONTROLLERS) == {"omnilearn", "static", "uniform"}
+    assert isinstance(make_controller("model", bounds, [1, 1, 1, 1]), ModelController)
+    assert set(CONTROLLERS) == {"omnilearn", "static", "uniform", "model"}
 
 
 @pytest.mark.parametrize("name", ["", "Omnilearn", "proportional", "dynamic"])

@@ -5,14 +5,20 @@ given each worker's batch, its time estimate and that estimate's standard
 error (:class:`Estimates`), which batches next, and what time does it predict
 for each worker there (:class:`Proposal`)? Whether the change is worth making
 (deadband on the predicted gain, noise, minimum move, effective step) is the
-loop's job, so controllers stay small and a model-based one (fit
-``t_i(b) = alpha_i + beta_i * b``) can plug in beside these:
+loop's job, so controllers stay small:
 
 - ``omnilearn``: the paper's proportional rule (Tyagi & Sharma, TPDS 2025)
   ``b_i' = b_i * t_mean / t_i``, then clamp, re-share and round so
   ``sum(b) == B`` exactly; its time model is ``t_i(b) = t_i * b / b_i``.
 - ``uniform`` (plain data parallel) and ``static`` (proportional to declared
   speeds): fixed plans, the paper's baselines.
+- ``model`` (not the default): per worker a robust fit of
+  ``t_i(b) = alpha_i + beta_i * b`` to its (batch, time) windows
+  (:attr:`Estimates.history`, :func:`~omnilearn.balance.model.fit_affine`),
+  then all batches in one decision so the predicted finish times are equal
+  within the bounds (:func:`~omnilearn.balance.model.equal_finish`), rounded
+  so ``sum(b) == B`` exactly. Until every worker has windows at two distinct
+  batches it proposes the proportional rule's plan.
 
 Every rank runs the same controller on the same gathered numbers, so all
 ranks reach the same decision without another message. Every controller has
@@ -20,7 +26,7 @@ ranks reach the same decision without another message. Every controller has
 deadband on the largest single-worker change, survives only as the
 ``--legacy`` baseline of ``omnilearn.experiments.simulate``.)
 
-Run: ``python -m pytest -q tests/unit/test_controller.py tests/unit/test_loop.py``
+Run: ``python -m pytest -q tests/unit/test_controller.py tests/unit/test_loop.py tests/unit/test_model_controller.py``
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from omnilearn.balance.allocation import Bounds, proportional_split, split_array, uniform_split
+from omnilearn.balance.allocation import Bounds, proportional_split, round_shares, split_array, uniform_split
+from omnilearn.balance.model import distinct_batches, equal_finish, fit_affine
 
-CONTROLLERS = ("omnilearn", "static", "uniform")
+CONTROLLERS = ("omnilearn", "static", "uniform", "model")
 
 
 @dataclass(frozen=True)
@@ -55,11 +62,17 @@ class Decision:
 
 @dataclass(frozen=True)
 class Estimates:
-    """What a controller sees: per worker its current batch, time estimate and its standard error."""
+    """What a controller sees: per worker its current batch, time estimate and its standard error.
+
+    ``history`` (optional, filled by the ControlLoop): (windows, n, 2), per
+    ring window oldest first the batch and median time each worker measured
+    there; NaN where a window has no fresh samples or predates a speed shift.
+    """
 
     batches: np.ndarray  # int64, (n,)
     times_s: np.ndarray  # positive, (n,)
     stderr_s: np.ndarray  # >= 0, (n,)
+    history: np.ndarray | None = None  # (windows, n, 2): batch, median time; NaN where empty
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,47 @@ class ProportionalController:
         self.start = [int(b) for b in state["start"]]
 
 
+@dataclass
+class ModelController:
+    """Fit ``t_i(b) = alpha_i + beta_i * b`` per worker, then equal predicted finish times in one decision.
+
+    Falls back to the proportional rule's proposal while any worker has
+    windows at fewer than two distinct batches (or no history is given).
+    Whether a proposal is applied is the ControlLoop's decision.
+    """
+
+    bounds: Bounds
+    name: str = "model"
+    start: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.start:
+            self.start = uniform_split(self.bounds)
+        self.fallback = ProportionalController(self.bounds, start=list(self.start))
+
+    def initial(self) -> list[int]:
+        return list(self.start)
+
+    def propose(self, est: Estimates) -> Proposal:
+        h = None if est.history is None else np.asarray(est.history, dtype=float)
+        if h is None or h.size == 0 or int(distinct_batches(h).min()) < 2:
+            p = self.fallback.propose(est)
+            return Proposal(p.batches, p.times_s, f"{p.reason} (model: a worker has fewer than 2 distinct batches)")
+        alpha, beta = fit_affine(h)
+        lo, hi, total = self.bounds.min_batch, self.bounds.upper, self.bounds.global_batch
+        shares, finish = equal_finish(alpha, beta, lo, hi, total)
+        new = round_shares(shares, lo, hi, total)
+        return Proposal(new, alpha + beta * new, f"affine model: equal finish at {finish:.4g} s")
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "start": [int(b) for b in self.start]}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_name(state, self.name)
+        self.start = [int(b) for b in state["start"]]
+        self.fallback = ProportionalController(self.bounds, start=list(self.start))
+
+
 def make_controller(name: str, bounds: Bounds, speeds: Sequence[float]) -> Controller:
     """Build a controller by its CLI name; ``speeds`` are the declared speeds (used by ``static``).
 
@@ -153,5 +207,7 @@ def make_controller(name: str, bounds: Bounds, speeds: Sequence[float]) -> Contr
         return FixedController("static", proportional_split(speeds, bounds))
     if name == "omnilearn":
         return ProportionalController(bounds)
+    if name == "model":
+        return ModelController(bounds)
     raise ValueError(f"unknown controller {name!r}; choose one of {', '.join(CONTROLLERS)}")
 

@@ -37,6 +37,10 @@ How it decides (figures from ``python -m omnilearn.experiments.simulate``):
   (:meth:`ControlLoop.margin_z`), AND some worker moves by at least
   ``MIN_MOVE_SAMPLES``. The old test, the largest single-worker change,
   fires on every decision at 64 noisy workers.
+- **Model history.** Beside the moments, a ring of (batch, median) per
+  worker and window, kept across batch changes (not across speed shifts),
+  goes to the controller as :attr:`Estimates.history` (oldest first) for
+  the ``model`` controller's fit of ``t_i(b) = alpha_i + beta_i * b``.
 - **Effective step.** A change takes effect at ``step + 1 + lag``; one that
   would start at or after ``total_steps`` is held.
 
@@ -83,6 +87,9 @@ class ControlLoop:
         self.ring = np.zeros((3, history, self.plan.size))
         self.kept = np.zeros(self.plan.size, dtype=np.int64)
         self.slot = 0
+        # (batch, median) per ring row and worker, 0 where no fresh samples or before a speed shift;
+        # unlike ``kept`` it survives batch changes: the model controller fits across batches.
+        self.pairs = np.zeros((2, history, self.plan.size))
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -119,6 +126,7 @@ class ControlLoop:
         self.slot = (self.slot + 1) % self.history
         self.ring[:, self.slot] = np.where(fresh, moments(table[:, 1], table[:, 2], table[:, 3]), 0.0)
         self.kept = np.minimum(self.kept + 1, self.history)
+        self.pairs[:, self.slot] = np.where(fresh, np.stack((table[:, 0], table[:, 2])), 0.0)
         c_old, t_old, s_old = robust_pool(self.ring, (self.ages() > 0) & (self.ages() < self.kept))
         c_new, t_new = table[:, 1], table[:, 2]
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -130,12 +138,19 @@ class ControlLoop:
             significant = np.abs(np.log(t_new / t_old)) > noise
             shifted = fresh & (c_old > 0) & (t_old > 0) & (moved > self.shift) & significant
         self.kept[shifted] = 1
+        self.pairs[:, (self.ages()[:, 0] > 0)[:, None] & shifted[None, :]] = 0.0  # older speed: not this line
 
     def estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per worker: samples at the current batch, time estimate (:func:`robust_pool`), its standard error."""
         count, times, spread = robust_pool(self.ring, self.ages() < self.kept)
         stderr = MEDIAN_SE * spread / np.sqrt(np.where(count > 0, count, 1.0))
         return count, times, stderr
+
+    def history_pairs(self) -> np.ndarray:
+        """(history, n, 2): per ring window, oldest first, each worker's batch and median time; NaN where empty."""
+        order = (self.slot - np.arange(self.history)[::-1]) % self.history
+        pairs = np.moveaxis(self.pairs[:, order], 0, -1)
+        return np.where(pairs[..., :1] > 0, pairs, np.nan)
 
     def margin_z(self) -> float:
         """Standard errors that noise alone reaches in the largest of n estimates, plus ``NOISE_Z``.
@@ -180,7 +195,7 @@ class ControlLoop:
                             f"have fewer than {self.min_samples} samples at their current batch")
         if not (times > 0).all():
             return Decision(step, old, old, times_s, False, f"non-positive time of rank {int(np.argmin(times))}")
-        proposal = self.controller.propose(Estimates(self.plan.copy(), times, stderr))
+        proposal = self.controller.propose(Estimates(self.plan.copy(), times, stderr, self.history_pairs()))
         new = np.asarray(proposal.batches, dtype=np.int64)
         before, after = float(times.max()), float(np.max(proposal.times_s))
         gain = (before - after) / before
@@ -219,6 +234,8 @@ class ControlLoop:
         windows = np.moveaxis(self.ring[:, order], 0, -1)  # (history, n, 3)
         state = {"batches": self.plan.tolist(), "slot": self.slot,
                  "windows": [windows[self.history - k:, i].tolist() for i, k in enumerate(self.kept.tolist())]}
+        if self.pairs.any():  # the model history, oldest first: (history, n, 2), 0 where empty
+            state["pairs"] = np.moveaxis(self.pairs[:, order], 0, -1).tolist()
         if hasattr(self.controller, "state_dict"):
             state["controller"] = self.controller.state_dict()
         return state
@@ -232,6 +249,13 @@ class ControlLoop:
             self.controller.load_state_dict(state["controller"])
         self.plan, self.slot = plan, int(state.get("slot", 0)) % self.history
         self.ring[:] = 0.0
+        self.pairs[:] = 0.0
+        if "pairs" in state:
+            pairs = np.asarray(state["pairs"], dtype=float)[-self.history:]
+            if pairs.ndim != 3 or pairs.shape[1:] != (self.workers, 2):
+                raise ValueError(f"loop state pairs of shape {pairs.shape} for {self.workers} workers")
+            k = pairs.shape[0]
+            self.pairs[:, (self.slot - np.arange(k)[::-1]) % self.history] = np.moveaxis(pairs, -1, 0)
         for i, rows in enumerate(state["windows"]):
             rows = np.asarray(rows, dtype=float).reshape(-1, 3)[-self.history:]
             k = self.kept[i] = rows.shape[0]

@@ -111,7 +111,8 @@ def _train_parser(sub) -> None:
     add("--max-time-s", type=float, help="asp: stop after this many seconds of training")
     add("--speeds", help="relative worker speeds, e.g. 4,2,1, or a level HL1/HL2/HL4/HL8 (default HL8 for 4 workers)")
     add("--speed-schedule", help="'paper' (HL1>2>4>8>8>4>2>1) or a TOML file of [[change]] at_step/at_epoch + speeds")
-    add("--controller", choices=CONTROLLERS, help="omnilearn (default, dynamic), static or uniform")
+    add("--controller", choices=CONTROLLERS, help="omnilearn (default: the paper's proportional rule), model "
+        "(fits t(b) = a + b*c per worker, equal finish times in one decision; experimental), static or uniform")
     add("--out", help="run directory (default runs/<timestamp>)")
     add("--checkpoint-every", type=int, help="steps between checkpoints in RUN_DIR/checkpoints (default "
         f"{TrainConfig.checkpoint_every}; 0: none; saved at the next control-interval end)")
