@@ -121,12 +121,16 @@ def _train_step(ol, model, opt, x, y):
     ol.step(loss)
 
 
-def test_a_prefetching_loop_fetches_the_next_batch_before_step():
-    data = ListData()
+def _linear_session(data):
+    """One process, global batch 16: a linear model, the session's loader over ``data``, plain SGD."""
     ol = omnilearn.setup(global_batch=16, control_interval=3, device="cpu")
     model = ol.wrap_model(nn.Linear(6, 3))
-    loader = ol.data_loader(data)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return ol, model, ol.data_loader(data), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_prefetching_loop_fetches_the_next_batch_before_step():
+    data = ListData()
+    ol, model, loader, opt = _linear_session(data)
     plan, seen = GlobalPlan(len(data), 16, seed=0), []
     for _ in range(2):
         it = iter(loader)
@@ -146,10 +150,7 @@ def test_a_prefetching_loop_fetches_the_next_batch_before_step():
 
 def test_peek_set_epoch_and_break_are_dataloader_habits():
     data = ListData()
-    ol = omnilearn.setup(global_batch=16, control_interval=3, device="cpu")
-    model = ol.wrap_model(nn.Linear(6, 3))
-    loader = ol.data_loader(data)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ol, model, loader, opt = _linear_session(data)
     plan = GlobalPlan(len(data), 16, seed=0)  # 6 steps per epoch
     assert loader.dataset is data and len(loader) == 6
     x0, _ = next(iter(loader))  # a peek: the loop below still starts at step 0

@@ -156,44 +156,26 @@ class ProportionalController:
 
 
 @dataclass
-class ModelController:
+class ModelController(ProportionalController):
     """Fit ``t_i(b) = alpha_i + beta_i * b`` per worker, then equal predicted finish times in one decision.
 
-    Falls back to the proportional rule's proposal while any worker has
+    Takes the proportional rule's step (its parent's) while any worker has
     windows at fewer than two distinct batches (or no history is given).
     Whether a proposal is applied is the ControlLoop's decision.
     """
 
-    bounds: Bounds
     name: str = "model"
-    start: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.start:
-            self.start = uniform_split(self.bounds)
-        self.fallback = ProportionalController(self.bounds, start=list(self.start))
-
-    def initial(self) -> list[int]:
-        return list(self.start)
 
     def propose(self, est: Estimates) -> Proposal:
         h = None if est.history is None else np.asarray(est.history, dtype=float)
         if h is None or h.size == 0 or int(distinct_batches(h).min()) < 2:
-            p = self.fallback.propose(est)
+            p = super().propose(est)
             return Proposal(p.batches, p.times_s, f"{p.reason} (model: a worker has fewer than 2 distinct batches)")
         alpha, beta = fit_affine(h)
         lo, hi, total = self.bounds.min_batch, self.bounds.upper, self.bounds.global_batch
         shares, finish = equal_finish(alpha, beta, lo, hi, total)
         new = round_shares(shares, lo, hi, total)
         return Proposal(new, alpha + beta * new, f"affine model: equal finish at {finish:.4g} s")
-
-    def state_dict(self) -> dict:
-        return {"name": self.name, "start": [int(b) for b in self.start]}
-
-    def load_state_dict(self, state: dict) -> None:
-        _check_name(state, self.name)
-        self.start = [int(b) for b in state["start"]]
-        self.fallback = ProportionalController(self.bounds, start=list(self.start))
 
 
 def make_controller(name: str, bounds: Bounds, speeds: Sequence[float]) -> Controller:

@@ -213,6 +213,8 @@ def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
     with SignalTrap() as trap:
         store = tempfile.mkdtemp(prefix="omnilearn-store-")
         os.environ["OMNILEARN_RUN_ID"] = run = f"{os.getpid()}-{int(time.time())}"  # inherited by the workers
+        if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local workers talk over loopback only (the trust model)
         try:
             workers.start(processes(jobs[0].cfg), _spawned, (list(jobs), log_dir, store, os.getpid()), log_dir, trap)
             interrupted, failed = supervise(workers, trap, rules)

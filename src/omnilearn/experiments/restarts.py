@@ -61,8 +61,6 @@ def check_resume(cfg: TrainConfig, original: TrainConfig) -> None:
 
 def run_local_with_restarts(cfg: TrainConfig, run_dir: Path) -> None:
     """Run the local workers; after a failure resume from the newest checkpoint, ``cfg.max_restarts`` times."""
-    if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local workers talk over loopback only (the trust model)
     attempt = 0
     while True:
         try:
