@@ -277,10 +277,10 @@ def test_existing_group_batches_buffers_seeds_settings_and_traffic(tmp_path):
     for key in ("buffers", "params"):
         for name in a[key]:
             torch.testing.assert_close(a[key][name], b[key][name], msg=f"{key} {name} differ between ranks")
-    # Per control interval of 4 steps: one all_gather of 2 x 8 numbers (not 2 x 4 x 8); the 4 x 8 step rows
+    # Per control interval of 4 steps: one all_gather of 2 x 10 numbers (not 2 x 4 x 8); the 4 x 8 step rows
     # go to rank 0 only. 30 steps: 7 intervals and the 2 steps left, flushed by finish().
     for calls, main in ((a["calls"], True), (b["calls"], False)):
-        assert {n for op, n, _ in calls if op == "all_gather"} == {2 * 8}
+        assert {n for op, n, _ in calls if op == "all_gather"} == {2 * 10}
         gathers = [(n, receives) for op, n, receives in calls if op == "gather"]
         assert gathers == [(4 * 8, main)] * 7 + [(2 * 8, main)]
 

@@ -196,14 +196,31 @@ def test_loop_state_keeps_the_model_history():
     assert twin.state_dict() == loop.state_dict()
 
 
-def test_a_speed_shift_drops_the_older_pairs():
+def test_a_speed_shift_rescales_the_older_pairs():
     loop = ControlLoop(make_controller("uniform", Bounds(100, 2), [1, 1]))
     for k in range(4):
         loop.update(k, [(50, 15, 1.0, 0.01), (50, 15, 1.0, 0.01)])
     loop.update(4, [(50, 15, 3.0, 0.01), (50, 15, 1.0, 0.01)])  # worker 0 became 3x slower
     pairs = loop.history_pairs()
-    assert np.isfinite(pairs[:, 0, 1]).sum() == 1 and pairs[-1, 0, 1] == 3.0
-    assert np.isfinite(pairs[:, 1, 1]).sum() == 5
+    assert np.isfinite(pairs[:, 0, 1]).sum() == 5 and np.allclose(pairs[-5:, 0, 1], 3.0)
+    assert np.allclose(pairs[-5:, 1, 1], 1.0)
+    assert loop.kept[0] == 1 and loop.kept[1] == 5  # the estimate itself keeps only the new window
+
+
+def test_after_a_speed_change_the_model_lands_in_one_decision():
+    """Worker 0 (affine, fitted over two batches) turns 2x slower: its older pairs, rescaled, keep the line."""
+    alpha, beta = np.array([0.02, 0.02, 0.02, 0.02]), np.array([1e-3, 1e-3, 2e-3, 4e-3])
+    loop = ControlLoop(ModelController(Bounds(512, 4, 8)), lag=0)
+    step = 0
+    for _ in range(8):  # settle
+        step += 15
+        loop.update(step, [(b, 15, a + bt * b, 0.0) for b, a, bt in zip(loop.plan, alpha, beta)])
+    alpha, beta = alpha * np.array([2, 1, 1, 1]), beta * np.array([2, 1, 1, 1])
+    step += 15
+    d = loop.update(step, [(b, 15, a + bt * b, 0.0) for b, a, bt in zip(loop.plan, alpha, beta)])
+    assert d.changed
+    t = alpha + beta * np.asarray(d.new)
+    assert t.max() / t.min() < 1.02  # balanced at once: equal finish times within rounding
 
 
 def test_propose_at_4096_workers_is_fast_printed_not_asserted():

@@ -25,42 +25,64 @@ class InfeasibleBounds(ValueError):
 
 @dataclass(frozen=True)
 class Bounds:
-    """Per-worker batch bounds for ``workers`` workers sharing ``global_batch``."""
+    """Per-worker batch bounds for ``workers`` workers sharing ``global_batch``.
+
+    ``max_batch``: one cap for every worker, a tuple of one cap per worker
+    (memory differs between machines), or None (no cap beyond the global batch).
+    """
 
     global_batch: int
     workers: int
     min_batch: int = 1
-    max_batch: int | None = None  # None: no upper bound beyond the global batch
+    max_batch: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_batch, (list, tuple, np.ndarray)):
+            caps = tuple(int(c) for c in self.max_batch)
+            if len(caps) != self.workers:
+                raise InfeasibleBounds(f"{len(caps)} per-worker max batches for {self.workers} workers; "
+                                       f"give one number or one per worker")
+            object.__setattr__(self, "max_batch", caps)
         check_feasible(self.global_batch, self.workers, self.min_batch, self.upper)
 
     @property
-    def upper(self) -> int:
-        return self.global_batch if self.max_batch is None else self.max_batch
+    def upper(self) -> int | np.ndarray:
+        """The cap: an int for all workers, or an int64 array of one per worker."""
+        if self.max_batch is None:
+            return self.global_batch
+        if isinstance(self.max_batch, tuple):
+            return np.asarray(self.max_batch, dtype=np.int64)
+        return self.max_batch
+
+    def caps(self) -> np.ndarray:
+        """One cap per worker (int64 array), whatever form ``max_batch`` has."""
+        return np.broadcast_to(np.asarray(self.upper, dtype=np.int64), (self.workers,)).copy()
 
 
-def check_feasible(global_batch: int, workers: int, min_batch: int, max_batch: int) -> None:
-    """Raise :class:`InfeasibleBounds` with a message that names the fix."""
+def check_feasible(global_batch: int, workers: int, min_batch: int, max_batch: int | np.ndarray) -> None:
+    """Raise :class:`InfeasibleBounds` with a message that names the fix (``max_batch``: one cap or one per worker)."""
     if workers < 1:
         raise InfeasibleBounds(f"workers={workers} must be at least 1")
     if global_batch < 1:
         raise InfeasibleBounds(f"global batch {global_batch} must be at least 1")
     if min_batch < 1:
         raise InfeasibleBounds(f"min batch {min_batch} must be at least 1")
-    if min_batch > max_batch:
+    caps = np.broadcast_to(np.asarray(max_batch, dtype=np.int64), (workers,))
+    if min_batch > int(caps.min()):
         raise InfeasibleBounds(
-            f"min batch {min_batch} is larger than max batch {max_batch}; lower --min-batch or raise --max-batch"
+            f"min batch {min_batch} is larger than max batch {int(caps.min())}; lower --min-batch or raise --max-batch"
         )
     if workers * min_batch > global_batch:
         raise InfeasibleBounds(
             f"global batch {global_batch} is smaller than workers x min batch = {workers} x {min_batch}; "
             f"raise --global-batch to at least {workers * min_batch} or lower --min-batch"
         )
-    if workers * max_batch < global_batch:
+    if int(caps.sum()) < global_batch:
+        said = f"workers x max batch = {workers} x {int(caps[0])}" if np.ndim(max_batch) == 0 else \
+            f"the sum of the per-worker max batches, {int(caps.sum())}"
         raise InfeasibleBounds(
-            f"global batch {global_batch} is larger than workers x max batch = {workers} x {max_batch}; "
-            f"lower --global-batch to at most {workers * max_batch} or raise --max-batch"
+            f"global batch {global_batch} is larger than {said}; "
+            f"lower --global-batch to at most {int(caps.sum())} or raise --max-batch"
         )
 
 

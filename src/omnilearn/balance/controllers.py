@@ -12,9 +12,11 @@ loop's job, so controllers stay small:
   ``sum(b) == B`` exactly; its time model is ``t_i(b) = t_i * b / b_i``.
 - ``uniform`` (plain data parallel) and ``static`` (proportional to declared
   speeds): fixed plans, the paper's baselines.
-- ``model`` (not the default): per worker a robust fit of
+- ``model``: per worker the slope ``beta_i`` of a robust fit of
   ``t_i(b) = alpha_i + beta_i * b`` to its (batch, time) windows
   (:attr:`Estimates.history`, :func:`~omnilearn.balance.model.fit_affine`),
+  the line through its newest estimate at its current batch (recent data
+  weighs most),
   then all batches in one decision so the predicted finish times are equal
   within the bounds (:func:`~omnilearn.balance.model.equal_finish`), rounded
   so ``sum(b) == B`` exactly. Until every worker has windows at two distinct
@@ -36,7 +38,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from omnilearn.balance.allocation import Bounds, proportional_split, round_shares, split_array, uniform_split
+from omnilearn.balance.allocation import Bounds, proportional_split, round_shares, uniform_split, water_fill
 from omnilearn.balance.model import distinct_batches, equal_finish, fit_affine
 
 CONTROLLERS = ("omnilearn", "static", "uniform", "model")
@@ -142,9 +144,12 @@ class ProportionalController:
     def initial(self) -> list[int]:
         return list(self.start)
 
+    multiple: int = 1  # batches in multiples of this (fewer distinct sizes: fewer torch.compile recompiles)
+
     def propose(self, est: Estimates) -> Proposal:
         b, t = np.asarray(est.batches, dtype=float), np.asarray(est.times_s, dtype=float)
-        new = split_array(b * t.mean() / t, self.bounds)
+        shares = water_fill(b * t.mean() / t, self.bounds.min_batch, self.bounds.upper, self.bounds.global_batch)
+        new = round_multiple(shares, self.bounds, self.multiple)
         return Proposal(new, t * new / b, "proportional rule b_i * t_mean / t_i")
 
     def state_dict(self) -> dict:
@@ -171,15 +176,47 @@ class ModelController(ProportionalController):
         if h is None or h.size == 0 or int(distinct_batches(h).min()) < 2:
             p = super().propose(est)
             return Proposal(p.batches, p.times_s, f"{p.reason} (model: a worker has fewer than 2 distinct batches)")
-        alpha, beta = fit_affine(h)
+        _, beta = fit_affine(h)
+        # The slope from the history, the line through the newest estimate at the current batch: recent
+        # measurements weigh most (a drift of the fixed cost shows at once); a line that would start below
+        # 0 goes through the origin instead.
+        b, t = np.asarray(est.batches, dtype=float), np.asarray(est.times_s, dtype=float)
+        alpha = t - beta * b
+        beta = np.where(alpha >= 0, beta, t / b)
+        alpha = np.maximum(alpha, 0.0)
         lo, hi, total = self.bounds.min_batch, self.bounds.upper, self.bounds.global_batch
         shares, finish = equal_finish(alpha, beta, lo, hi, total)
-        new = round_shares(shares, lo, hi, total)
+        new = round_multiple(shares, self.bounds, self.multiple)
         return Proposal(new, alpha + beta * new, f"affine model: equal finish at {finish:.4g} s")
 
 
-def make_controller(name: str, bounds: Bounds, speeds: Sequence[float]) -> Controller:
+def round_multiple(shares: np.ndarray, bounds: Bounds, multiple: int = 1) -> np.ndarray:
+    """Integer batches summing to B within the bounds, each a multiple of ``multiple`` but one.
+
+    The global batch's remainder ``B mod multiple`` goes to the worker whose
+    share lost most to the rounding (and has room). Where the bounds allow no
+    such split, plain rounding (:func:`~omnilearn.balance.allocation.round_shares`).
+    """
+    lo, hi, total = bounds.min_batch, bounds.upper, bounds.global_batch
+    if multiple > 1:
+        k = multiple
+        lo_k = -(-np.broadcast_to(np.asarray(lo), shares.shape) // k)
+        hi_k = np.broadcast_to(np.asarray(hi), shares.shape) // k
+        units = total // k
+        if lo_k.sum() <= units <= hi_k.sum():
+            new = round_shares(np.clip(shares / k, lo_k, hi_k), lo_k, hi_k, units) * k
+            rest = total - int(new.sum())
+            room = np.broadcast_to(np.asarray(hi), shares.shape) - new >= rest
+            if rest == 0 or room.any():
+                new[int(np.argmax(np.where(room, shares - new, -np.inf)))] += rest
+                return new
+    return round_shares(shares, lo, hi, total)
+
+
+def make_controller(name: str, bounds: Bounds, speeds: Sequence[float], multiple: int = 1) -> Controller:
     """Build a controller by its CLI name; ``speeds`` are the declared speeds (used by ``static``).
+
+    ``multiple``: the adaptive controllers keep batches in multiples of it (see :func:`round_multiple`).
 
     The deadband is the ControlLoop's: ``ControlLoop(controller, deadband=...)``.
     """
@@ -188,8 +225,8 @@ def make_controller(name: str, bounds: Bounds, speeds: Sequence[float]) -> Contr
     if name == "static":
         return FixedController("static", proportional_split(speeds, bounds))
     if name == "omnilearn":
-        return ProportionalController(bounds)
+        return ProportionalController(bounds, multiple=multiple)
     if name == "model":
-        return ModelController(bounds)
+        return ModelController(bounds, multiple=multiple)
     raise ValueError(f"unknown controller {name!r}; choose one of {', '.join(CONTROLLERS)}")
 

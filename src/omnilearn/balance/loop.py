@@ -23,8 +23,18 @@ How it decides (figures from ``python -m omnilearn.experiments.simulate``):
 - **Shift detection.** When a worker's newest window median differs from its
   older estimate by more than ``shift`` (relative) and its log by more than
   ``max(SHIFT_Z, z)`` standard errors (n tests per window, see ``z`` below),
-  its speed changed: its older windows are dropped. So a 3x slowdown after
-  400 steady pushes shows at the next decision, not hundreds of pushes later.
+  its speed changed: its older windows are dropped from the estimate and its
+  older model pairs are rescaled by the ratio (a machine k times slower keeps
+  its line's shape, so the ``model`` controller lands in one decision). So a
+  3x slowdown after 400 steady pushes shows at the next decision, not
+  hundreds of pushes later. :meth:`ControlLoop.shifted` runs the same test on
+  a window without recording it: BSP checks a few steps into an interval and
+  decides early when a shift is clear (:func:`omnilearn.bsp.interval.check_window`).
+- **Caps and the measured step** (:mod:`omnilearn.balance.guards`): a plan
+  above a worker's cap (configured, reported after an out-of-memory error, or
+  learned when its throughput fell after its batch grew) is re-planned at
+  once; a change after which the measured wall step (``step_s``) got slower is
+  taken back, and the loop holds still for ``history`` windows.
 - **Hold** while any worker has fewer than ``min_samples`` samples at its
   current batch. Rows whose batch is not the worker's current batch (measured
   before the latest change took effect) count as no samples.
@@ -44,7 +54,7 @@ How it decides (figures from ``python -m omnilearn.experiments.simulate``):
 - **Effective step.** A change takes effect at ``step + 1 + lag``; one that
   would start at or after ``total_steps`` is held.
 
-Run: ``python -m pytest -q tests/unit/test_loop.py``
+Run: ``python -m pytest -q tests/unit/test_loop.py tests/unit/test_guards.py``
 """
 
 from __future__ import annotations
@@ -54,7 +64,9 @@ from statistics import NormalDist
 import numpy as np
 from numpy.typing import ArrayLike
 
+from omnilearn.balance.allocation import split_array
 from omnilearn.balance.controllers import Controller, Decision, Estimates
+from omnilearn.balance.guards import Caps, StepGuard
 from omnilearn.balance.windows import (  # noqa: F401  (window_row, window_table: re-exported for the runtimes)
     MEDIAN_SE, ROBUST_COUNT, WINDOW_FIELDS, moments, robust_pool, window_row, window_table)
 
@@ -90,6 +102,9 @@ class ControlLoop:
         # (batch, median) per ring row and worker, 0 where no fresh samples or before a speed shift;
         # unlike ``kept`` it survives batch changes: the model controller fits across batches.
         self.pairs = np.zeros((2, history, self.plan.size))
+        bounds = getattr(controller, "bounds", None)
+        self.caps = Caps(bounds) if bounds is not None else None
+        self.guard = StepGuard(hold=history)
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -100,45 +115,84 @@ class ControlLoop:
     def workers(self) -> int:
         return self.plan.size
 
-    def update(self, step: int, rows: ArrayLike) -> Decision:
-        """Take the window that ended at ``step`` (one row per worker, rank order) and decide."""
+    def update(self, step: int, rows: ArrayLike, *, caps: ArrayLike | None = None,
+               step_s: ArrayLike | None = None) -> Decision:
+        """Take the window that ended at ``step`` (one row per worker, rank order) and decide.
+
+        ``caps``: each worker's current batch cap (0: none beyond the configured);
+        ``step_s``: each worker's median wall time per step in the window (the measured objective).
+        """
+        table = self.table(rows)
+        self.record(table)
+        self.guard.window(step_s)
+        if self.caps is not None:
+            self.caps.window()
+            if caps is not None:
+                self.caps.report(caps)
+            forced = self.enforce_caps(step)
+            if forced is not None:
+                return forced
+        back = self.guard.worse()
+        if back is not None:
+            return self.apply(step, back[0], back[1], forced=True)
+        return self.decide(step)
+
+    def table(self, rows: ArrayLike) -> np.ndarray:
         table = np.asarray(rows, dtype=float)
         if table.shape != (self.workers, WINDOW_FIELDS):
             raise ValueError(f"rows must be ({self.workers}, {WINDOW_FIELDS}): one window_row per worker, "
                              f"got shape {table.shape}")
         if not np.isfinite(table).all():
             raise ValueError(f"window rows must be finite, got {table[~np.isfinite(table).all(axis=1)][:3]}")
-        self.record(table)
-        return self.decide(step)
+        return table
 
     def ages(self) -> np.ndarray:
         """(history, 1): how many windows ago each ring row was written (0: the newest)."""
         return ((self.slot - np.arange(self.history)) % self.history)[:, None]
 
-    def record(self, table: np.ndarray) -> None:
-        """Write the window into the ring (rows at another batch count 0), drop history that shifted.
+    def shifted(self, rows: ArrayLike) -> np.ndarray:
+        """Per worker: does this window (not yet recorded) show a speed change against the kept ones?
 
-        The log ratio of the newest median to the older estimate is judged by
-        the older relative spread, or by the newest's where that window is
-        small and noisier: two samples, one a pause, are noise, not a shift.
+        The log ratio of the window's median to the older estimate is judged by
+        the older relative spread, or by the window's where it is small and
+        noisier: two samples, one a pause, are noise, not a shift.
         """
+        return self._shift(self.table(rows))[0]
+
+    def _shift(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shifted mask, new / old time ratio) of an unrecorded window ``table``."""
+        fresh = (table[:, 1] > 0) & (np.rint(table[:, 0]) == self.plan)
+        c_old, t_old, s_old = robust_pool(self.ring, self.ages() < self.kept)
+        c_new, t_new = table[:, 1], table[:, 2]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = t_new / t_old
+            rel_old = s_old / t_old
+            rel_new = np.where(c_new < ROBUST_COUNT, np.maximum(table[:, 3] / t_new, rel_old), rel_old)
+            z = max(SHIFT_Z, self.margin_z())
+            noise = z * MEDIAN_SE * np.sqrt(rel_old**2 / c_old + rel_new**2 / c_new)
+            significant = np.abs(np.log(ratio)) > noise
+            shifted = fresh & (c_old > 0) & (t_old > 0) & (np.abs(ratio - 1) > self.shift) & significant
+        return shifted, ratio
+
+    def record(self, table: np.ndarray) -> None:
+        """Write the window into the ring (rows at another batch count 0); a worker whose speed shifted
+        keeps only this window, its model pairs are rescaled by the shift, and its caps and the step
+        guard's comparison are forgotten.
+        """
+        shifted, ratio = self._shift(table)
         fresh = (table[:, 1] > 0) & (np.rint(table[:, 0]) == self.plan)
         self.slot = (self.slot + 1) % self.history
         self.ring[:, self.slot] = np.where(fresh, moments(table[:, 1], table[:, 2], table[:, 3]), 0.0)
         self.kept = np.minimum(self.kept + 1, self.history)
         self.pairs[:, self.slot] = np.where(fresh, np.stack((table[:, 0], table[:, 2])), 0.0)
-        c_old, t_old, s_old = robust_pool(self.ring, (self.ages() > 0) & (self.ages() < self.kept))
-        c_new, t_new = table[:, 1], table[:, 2]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            moved = np.abs(t_new - t_old) / t_old
-            rel_old = s_old / t_old
-            rel_new = np.where(c_new < ROBUST_COUNT, np.maximum(table[:, 3] / t_new, rel_old), rel_old)
-            z = max(SHIFT_Z, self.margin_z())
-            noise = z * MEDIAN_SE * np.sqrt(rel_old**2 / c_old + rel_new**2 / c_new)
-            significant = np.abs(np.log(t_new / t_old)) > noise
-            shifted = fresh & (c_old > 0) & (t_old > 0) & (moved > self.shift) & significant
-        self.kept[shifted] = 1
-        self.pairs[:, (self.ages()[:, 0] > 0)[:, None] & shifted[None, :]] = 0.0  # older speed: not this line
+        if shifted.any():
+            self.kept[shifted] = 1
+            older = (self.ages()[:, 0] > 0)[:, None] & shifted[None, :]
+            # a slower (or faster) machine: its older (batch, time) pairs keep their line's shape, scaled
+            self.pairs[1] = np.where(older, self.pairs[1] * ratio[None, :], self.pairs[1])
+            if self.caps is not None:
+                self.caps.forget(shifted)
+            self.guard.reset()
 
     def estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per worker: samples at the current batch, time estimate (:func:`robust_pool`), its standard error."""
@@ -195,6 +249,16 @@ class ControlLoop:
                             f"have fewer than {self.min_samples} samples at their current batch")
         if not (times > 0).all():
             return Decision(step, old, old, times_s, False, f"non-positive time of rank {int(np.argmin(times))}")
+        if self.caps is not None:
+            capped = self.caps.learn(self.plan, count, times, stderr, self.min_samples, self.margin_z())
+            if capped.any():
+                forced = self.enforce_caps(step, f"rank {int(np.flatnonzero(capped)[0])}'s throughput fell after "
+                                                 "its batch grew: capped at its batch before")
+                if forced is not None:
+                    return forced
+        if self.guard.holding:
+            return Decision(step, old, old, times_s, False, f"holding still {self.guard.holding} more window(s) "
+                            "after taking a slower change back")
         proposal = self.controller.propose(Estimates(self.plan.copy(), times, stderr, self.history_pairs()))
         new = np.asarray(proposal.batches, dtype=np.int64)
         before, after = float(times.max()), float(np.max(proposal.times_s))
@@ -207,10 +271,35 @@ class ControlLoop:
             held = self.held(step, new, gain, noise, why)
         if held:
             return Decision(step, old, old, times_s, False, held, None, (before, after))
+        return self.apply(step, new, f"{why} beats deadband {self.deadband:.1%} and noise {noise:.1%}",
+                          predicted=(before, after))
+
+    def apply(self, step: int, new: np.ndarray, reason: str, *, forced: bool = False,
+              predicted: tuple[float, float] | None = None) -> Decision:
+        """Make ``new`` the plan from ``step + 1 + lag`` on (``forced``: a cap or a take-back, never judged)."""
+        old = self.plan.copy()
+        count, times, stderr = self.estimates()
+        if self.caps is not None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                self.caps.changed(old, new, np.where(count > 0, times, np.nan), stderr / times, judge=not forced)
+        self.guard.changed(old, forced)
         self.kept[new != self.plan] = 0  # their windows measured the old batch
-        self.plan = new
-        return Decision(step, old, self.batches, times_s, True, f"{why} beats deadband {self.deadband:.1%} and "
-                        f"noise {noise:.1%}", step + 1 + self.lag, (before, after))
+        self.plan = np.asarray(new, dtype=np.int64)
+        return Decision(step, tuple(old.tolist()), self.batches, tuple(times.tolist()), True, reason,
+                        step + 1 + self.lag, predicted)
+
+    def enforce_caps(self, step: int, why: str = "") -> Decision | None:
+        """Give the controller the current caps; re-plan at once when the plan is above one."""
+        bounds = self.caps.bounds_now()
+        if hasattr(self.controller, "bounds"):
+            self.controller.bounds = bounds
+        caps = np.broadcast_to(np.asarray(bounds.upper), self.plan.shape)
+        over = np.flatnonzero(self.plan > caps)
+        if not over.size:
+            return None
+        new = split_array(np.minimum(self.plan, caps).astype(float), bounds)
+        reason = why or f"rank {int(over[0])}'s batch {int(self.plan[over[0]])} is above its cap {int(caps[over[0]])}"
+        return self.apply(step, new, f"{reason}: re-planned within the caps", forced=True)
 
     def held(self, step: int, new: np.ndarray, gain: float, noise: float, why: str) -> str:
         """Why the proposal ``new`` (not the current plan) is not worth making; "" when it is."""
@@ -238,6 +327,8 @@ class ControlLoop:
             state["pairs"] = np.moveaxis(self.pairs[:, order], 0, -1).tolist()
         if hasattr(self.controller, "state_dict"):
             state["controller"] = self.controller.state_dict()
+        if self.caps is not None:
+            state["caps"] = self.caps.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -248,6 +339,8 @@ class ControlLoop:
         if "controller" in state and hasattr(self.controller, "load_state_dict"):
             self.controller.load_state_dict(state["controller"])
         self.plan, self.slot = plan, int(state.get("slot", 0)) % self.history
+        if self.caps is not None and "caps" in state:
+            self.caps.load_state_dict(state["caps"])
         self.ring[:] = 0.0
         self.pairs[:] = 0.0
         if "pairs" in state:

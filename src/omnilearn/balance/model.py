@@ -43,39 +43,46 @@ def valid_pairs(history: np.ndarray) -> np.ndarray:
 
 def column_median(x: np.ndarray) -> np.ndarray:
     """Per column of (k, m) ``x``, the median of its finite entries (NaN for none); faster than ``np.nanmedian``."""
-    s = np.sort(x, axis=0)  # NaN last
-    k = np.isfinite(x).sum(axis=0)
-    cols = np.arange(x.shape[1])
-    low, high = s[np.maximum(k - 1, 0) // 2, cols], s[np.maximum(k, 1) // 2 - (k == 0), cols]
+    return row_median(np.ascontiguousarray(x.T))
+
+
+def row_median(x: np.ndarray) -> np.ndarray:
+    """Per row of (m, k) ``x``, the median of its finite entries (NaN for none); sorts along contiguous rows."""
+    s = np.sort(x, axis=1)  # NaN last
+    k = np.isfinite(x).sum(axis=1)
+    rows = np.arange(x.shape[0])
+    low, high = s[rows, np.maximum(k - 1, 0) // 2], s[rows, np.maximum(k, 1) // 2 - (k == 0)]
     return np.where(k > 0, 0.5 * (low + high), np.nan)
 
 
 def fit_affine(history: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """Per worker ``(alpha, beta)`` of ``t = alpha + beta * b`` by Theil-Sen over its window pairs.
 
-    ``history``: (windows, n, 2), batch and median time per window; NaN (or
-    0) where a window is empty. A worker with fewer than two distinct batches
-    gets the line through the origin, as does one whose fit has ``beta <= 0``
-    or ``alpha < 0``; one without any pair gets NaN.
+    ``history``: (windows, n, 2), oldest first, batch and median time per
+    window; NaN (or 0) where a window is empty. A worker with fewer than two
+    distinct batches gets the line through the origin, as does one whose fit
+    has ``beta <= 0`` or ``alpha < 0``; one without any pair gets NaN.
+    Works on one contiguous row per worker (sorting along rows is ~3x faster
+    than along columns).
     """
     h = np.asarray(history, dtype=float)
-    ok = valid_pairs(h)
-    b = np.where(ok, h[..., 0], np.nan)
-    t = np.where(ok, h[..., 1], np.nan)
+    hw = np.ascontiguousarray(np.moveaxis(h, 0, 1))  # (n, windows, 2)
+    b, t = hw[..., 0], hw[..., 1]
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(b) & np.isfinite(t) & (b > 0) & (t > 0)
+    b, t = np.where(ok, b, np.nan), np.where(ok, t, np.nan)
     i, j = np.triu_indices(h.shape[0], k=1)
-    db, dt = b[j] - b[i], t[j] - t[i]  # (pairs, n)
     with np.errstate(invalid="ignore", divide="ignore"):
-        slopes = dt / db  # NaN where a window is empty, +-inf or NaN where the batches are equal
+        slopes = (t[:, j] - t[:, i]) / (b[:, j] - b[:, i])  # NaN where a window is empty; inf/NaN: equal batches
         slopes[~np.isfinite(slopes)] = np.nan
-        beta = column_median(slopes)
-        has = np.isfinite(beta)
-        alpha = column_median(t - beta * b)
-        origin = ~(has & (beta > MIN_BETA) & (alpha >= 0))
+        beta = row_median(slopes)
+        alpha = row_median(t - beta[:, None] * b)
+        origin = ~(np.isfinite(beta) & (beta > MIN_BETA) & (alpha >= 0))
         if origin.any():
-            some = origin & ok.any(axis=0)
+            some = origin & ok.any(axis=1)
             alpha[origin], beta[origin] = np.where(some[origin], 0.0, np.nan), np.nan
             if some.any():
-                beta[some] = column_median(t[:, some] / b[:, some])
+                beta[some] = row_median(t[some] / b[some])
     return alpha, beta
 
 

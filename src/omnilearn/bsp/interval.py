@@ -1,9 +1,11 @@
 """Where ranks meet: the end of a control interval, and the check that all ranks are at the same point.
 
 Every collective of the session starts with :func:`meet`: one all-gather of
-a short row per rank, ``[kind, steps_done, last step sampled, stop, *window]``
-(``stop``: this rank got a stop signal; any rank's makes every rank stop at
-this interval's end).
+a short row per rank, ``[kind, steps_done, last step sampled, stop, cap, step_s, *window]``
+(``stop``: this rank got a stop signal, any rank's makes every rank stop at
+this interval's end; ``cap``: this rank's largest batch, 0 for none beyond the
+config's, lowered after an out-of-memory error; ``step_s``: the median wall
+time of its steps in the window, the measured objective).
 All ranks must be at the same kind of point after the same number of steps;
 if one rank calls ``sync_buffers()`` while another ends a control interval,
 every rank that meets raises the same clear error instead of pairing
@@ -11,9 +13,13 @@ unrelated collectives.
 
 At a control interval the row carries this rank's
 :func:`~omnilearn.balance.loop.window_row` (its ``compute_s`` at its current
-planned batch), so the same all-gather (``n x 8`` numbers, whatever the
+planned batch), so the same all-gather (``n x 10`` numbers, whatever the
 interval's length) feeds the :class:`~omnilearn.balance.loop.ControlLoop` on
-every rank and all reach the same decision. A change lands at the loop's
+every rank and all reach the same decision. Between interval ends, every
+``check_every`` steps :func:`check_window` gathers the same row for the
+steps since the last check: if the loop sees a clear speed shift in it
+(:meth:`~omnilearn.balance.loop.ControlLoop.shifted`), it decides there and
+then instead of waiting for the interval's end. A change lands at the loop's
 effective step, or later if some rank already sampled that step (a loop or
 a ``DataLoader`` that fetches ahead): the first step no rank has sampled.
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
+from statistics import median
 from typing import Sequence
 
 from omnilearn.balance.controllers import Decision
@@ -38,9 +45,10 @@ from omnilearn.data.plan import BatchSchedule
 from omnilearn.distributed.collect import all_gather_row, disagreements
 from omnilearn.distributed.group import DistContext
 
-INTERVAL, SYNC_BUFFERS = 1, 2
-POINTS = {INTERVAL: "the end of a control interval", SYNC_BUFFERS: "sync_buffers() (or finish())"}
-HEADER = 4  # kind, steps done, last step sampled, stop asked
+INTERVAL, SYNC_BUFFERS, CHECK = 1, 2, 3  # CHECK: a look at the steps so far, within an interval
+POINTS = {INTERVAL: "the end of a control interval", SYNC_BUFFERS: "sync_buffers() (or finish())",
+          CHECK: "a check within a control interval"}
+HEADER = 6  # kind, steps done, last step sampled, stop asked, cap, median step_s
 SETTINGS_SLOTS = 128  # fingerprints compared at start: one for the names, one per setting (the rest folded)
 
 
@@ -63,7 +71,8 @@ def check_same_settings(ctx: DistContext, cfg: BalanceConfig, total_steps: int |
 
 
 def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
-         window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False) -> list[list[float]]:
+         window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
+         step_s: float = 0.0) -> list[list[float]]:
     """All ranks' rows; raises on every rank if they are not at the same point.
 
     A rank that never comes (it skipped the call and waits in a training
@@ -71,7 +80,7 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
     group's timeout; the error then says so.
     """
     try:
-        table = all_gather_row(ctx, [kind, steps_done, last_read, float(stop), *window])
+        table = all_gather_row(ctx, [kind, steps_done, last_read, float(stop), float(cap or 0), step_s, *window])
     except RuntimeError as e:
         raise RuntimeError(f"rank {ctx.rank} waited at {POINTS.get(kind, kind)} after {steps_done} steps and the "
                            f"other ranks did not come: call step(), sync_buffers() and finish() on every rank at the "
@@ -87,19 +96,45 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
     return table
 
 
-def end_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
-               rows: list[list[float]], stop: bool = False) -> tuple[Decision, bool]:
-    """Feed this interval to the loop on every rank; register a change in ``schedule``. ``rows``: this rank's.
+def summarise(loop: ControlLoop, rank: int, rows: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], float]:
+    """This rank's window row (its ``compute_s`` at its current planned batch) and median ``step_s`` there."""
+    batch = loop.batches[rank]
+    now = [r for r in rows if int(r[1]) == batch]
+    return window_row(batch, [r[2] for r in now]), float(median([r[4] for r in now])) if now else 0.0
 
-    Also: whether any rank asked to stop (``stop`` is this rank's wish).
-    """
-    batch = loop.batches[ctx.rank]
-    mine = window_row(batch, [r[2] for r in rows if int(r[1]) == batch])
-    table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine, stop)
-    decision = loop.update(step, [row[HEADER:] for row in table])
-    stop_any = any(row[3] for row in table)
+
+def feed(loop: ControlLoop, schedule: BatchSchedule, step: int, table: list[list[float]]) -> Decision:
+    """Give the gathered ``table`` to the loop; register a change in ``schedule`` at the first step no rank sampled."""
+    caps = [int(row[4]) for row in table]
+    decision = loop.update(step, [row[HEADER:] for row in table], caps=caps if any(caps) else None,
+                           step_s=[row[5] for row in table])
     if not decision.changed:
-        return decision, stop_any
+        return decision
     first = max(decision.effective_step, 1 + max(int(row[2]) for row in table))
     schedule.change(first, decision.new)
-    return dataclasses.replace(decision, effective_step=first), stop_any
+    return dataclasses.replace(decision, effective_step=first)
+
+
+def end_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
+               rows: list[list[float]], stop: bool = False, cap: int | None = None) -> tuple[Decision, bool]:
+    """Feed this interval to the loop on every rank; register a change in ``schedule``. ``rows``: this rank's.
+
+    Also: whether any rank asked to stop (``stop`` is this rank's wish). ``cap``: this rank's batch cap.
+    """
+    mine, step_s = summarise(loop, ctx.rank, rows)
+    table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine, stop, cap, step_s)
+    return feed(loop, schedule, step, table), any(row[3] for row in table)
+
+
+def check_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
+                 rows: list[list[float]], cap: int | None = None) -> Decision | None:
+    """A mid-interval check on the steps since the last one: a decision if some worker's speed clearly shifted.
+
+    ``None`` when no rank's window shifted (nothing recorded: the interval's
+    end sees these steps again in its whole window).
+    """
+    mine, step_s = summarise(loop, ctx.rank, rows)
+    table = meet(ctx, CHECK, steps_done, schedule.last_read, mine, False, cap, step_s)
+    if not loop.shifted([row[HEADER:] for row in table]).any():
+        return None
+    return feed(loop, schedule, step, table)
