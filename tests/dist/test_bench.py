@@ -1,7 +1,9 @@
 """``omnilearn bench`` end to end on a tiny budget, and ``omnilearn report`` on its output.
 
-Also ``bench --mode asp`` (uniform and omnilearn ASP arms plus an OmniLearn
-BSP arm at equal training time) and its one-line errors.
+The BSP bench: a warm-up job, two interleaved repeats (``--quick``), spread,
+paired speed-ups, verdicts, settling within a control interval, ``--arms``
+errors. Also ``bench --mode asp`` (uniform and omnilearn ASP arms plus an
+OmniLearn BSP arm at equal training time and equal epochs) and its one-line errors.
 
 Run: ``python -m pytest -q tests/dist/test_bench.py`` (about two minutes on 2 cores).
 """
@@ -23,24 +25,50 @@ def test_bench_runs_every_arm_and_writes_json_table_and_plots(tmp_path, capsys):
                  "--control-interval", "3", "--global-batch", "256", "--target-accuracy", "0.05", "--out", str(out)])
     assert code == 0
     bench = json.loads((out / "bench.json").read_text())
+    assert bench["repeats"] == 2 and bench["arms"] == ["uniform", "static", "omnilearn"]  # --quick: 2 repeats
+    assert bench["warmup_steps"] == 12 and (out / "warmup" / "summary.json").exists()  # 4 intervals, unmeasured
     arms = {(r["setting"], r["arm"]) for r in bench["results"]}
     assert arms == {("HL1", a) for a in ("uniform", "static", "omnilearn", "ddp")} | {
         ("paper", a) for a in ("uniform", "static", "omnilearn")}
     by = {(r["setting"], r["arm"]): r for r in bench["results"]}
     assert by[("HL1", "uniform")]["speedup"] == pytest.approx(1.0)
     assert by[("HL1", "ddp")]["speedup"] > 0 and by[("HL1", "ddp")]["steps"] == 12
+    for r in bench["results"]:
+        assert r["repeats"] == 2 and len(r["run_dirs"]) == 2
+        assert len(r["spread"]["mean_step_s"]["per_repeat"]) == 2
+        assert r["spread"]["mean_step_s"]["min"] <= r["mean_step_s"] <= r["spread"]["mean_step_s"]["max"]
+    hl1 = by[("HL1", "omnilearn")]
+    assert hl1["figures_from_step"] == 0 and hl1["step_clock"] == "wall"  # 12 steps < one epoch of 39
+    assert hl1["verdict"]["vs_uniform"]["verdict"] in ("faster", "slower", "same (within spread)")
+    assert len(hl1["verdict"]["vs_static"]["per_repeat"]) == 2 and "verdict" not in by[("HL1", "static")]
     paper = by[("paper", "omnilearn")]
     assert paper["steps"] == 48 and len(paper["reaction_steps"]) >= 4
-    assert 0 < paper["balance_efficiency"] <= 1.2
+    assert len(paper["settled_within_interval"]) == len(paper["speed_change_steps"])
+    assert 0 < paper["balance_efficiency"] <= 1.2 and paper["efficiency_floor"] == hl1["balance_efficiency"]
     assert paper["time_to_accuracy_s"] is not None  # 5% is reached at the first evaluation
     assert "fidelity_error" in by[("HL1", "uniform")]
     table = capsys.readouterr().out
-    assert "| paper | omnilearn |" in table and "| HL1 | ddp |" in table
-    for png in ("speedup.png", "efficiency.png", "paper-omnilearn/batches.png"):
+    assert "| paper | omnilearn |" in table and "| HL1 | ddp |" in table and "Mean over 2 repeats" in table
+    assert "paper, omnilearn: settled within one control interval (3 steps)" in table
+    for png in ("speedup.png", "efficiency.png", "paper-omnilearn-r0/batches.png", "paper-omnilearn-r1/batches.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # A second bench into the same directory is refused, and the first is left as it was.
     assert main(["bench", "--quick", "--speeds", "HL1", "--out", str(out)]) == 2
     assert json.loads((out / "bench.json").read_text()) == bench
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--arms", "uniform,fast"], "--arms names 'fast', not a controller"),
+    (["--arms", "uniform,ddp"], "plain DDP runs at HL1 by itself"),
+    (["--arms", "model,model"], "names a controller twice"),
+    (["--arms", ","], "--arms names no controller"),
+    (["--mode", "asp", "--arms", "uniform"], "--arms picks the controllers of a BSP bench"),
+])
+def test_bench_bad_arms_is_one_line(tmp_path, capsys, flags, match):
+    assert main(["bench", "--out", str(tmp_path / "b"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omnilearn: error: ") and match in err and err.count("\n") == 1
+    assert not (tmp_path / "b").exists()
 
 
 def test_asp_bench_runs_three_arms_at_equal_time_and_writes_json_table_and_plots(tmp_path, capsys):
@@ -68,6 +96,10 @@ def test_asp_bench_runs_three_arms_at_equal_time_and_writes_json_table_and_plots
     assert not any(d.get("changed") for d in uniform_pushes if d["event"] == "decision")
     assert by["bsp"]["max_staleness"] == 0 and by["bsp"]["staleness_histogram"] is None
     assert by["bsp"]["accuracy_at_budget"]["mean"] is not None
+    epochs = by["bsp"]["equal_epochs"]  # whole epochs every arm reached, per repeat (1 repeat: --quick)
+    assert len(epochs) == 1 and all(r["equal_epochs"] == epochs for r in bench["results"])
+    for r in bench["results"]:
+        assert (r["accuracy_at_equal_epochs"]["mean"] is None) == (epochs[0] is None)
     table = capsys.readouterr().out
     assert "| HL8 | asp | omnilearn |" in table and "| HL8 | bsp | bsp |" in table
     assert (out / "bench.md").read_text().startswith("| setting | HL table | arm |")

@@ -12,9 +12,18 @@ Checked against hand-computed values on small synthetic BSP runs:
   with one worker 20% off;
 - ``arm_figures`` takes ``mean_step_s``/``samples_per_s`` from ``wall_step_s``
   and the rest from steps ``>= first_step``;
-- ``add_speedups`` and ``markdown_table``;
+- the steady range: ``steps_per_epoch``, ``steady_range_start`` (first epoch
+  boundary at or after half the run) and ``steady_wall_step_s`` (training
+  clock read at evaluations);
+- across repeats (``benchsummary``): paired speed-ups (``add_paired``: per
+  repeat against that repeat's uniform arm; ideal from the lowest ``T*`` of
+  the balanced arms), ``ci95``, ``verdict`` (faster/slower only when every
+  repeat or the 95% CI is on one side of 1), ``spread_of``, ``merge``
+  (spread, verdicts, settling within a control interval), ``add_floor`` (HL1
+  balance efficiency), ``fmt_spread`` and ``markdown_table``;
 - ``bench --mode asp``: ``eval_points`` (an ASP eval counts at the time of
-  the push that made its weights), ``accuracy_at_time``,
+  the push that made its weights), ``accuracy_at_time``, ``epoch_accuracies``
+  and ``equal_epochs`` (accuracy at equal epochs of data),
   ``staleness_histogram`` / ``add_histograms``, ``spread`` and
   ``asp_markdown_table``.
 
@@ -33,13 +42,27 @@ from hypothesis import strategies as st
 
 from omnilearn.experiments.benchstats import (
     REACTION_WINDOW,
-    add_speedups,
     arm_figures,
     fidelity_error,
-    markdown_table,
     reaction_steps,
     rows_from_records,
+    steady_range_start,
+    steady_wall_step_s,
+    steps_per_epoch,
     time_to_accuracy,
+)
+from omnilearn.experiments.benchsummary import (
+    HEADER,
+    SAME,
+    add_floor,
+    add_paired,
+    ci95,
+    fmt_spread,
+    markdown_table,
+    merge,
+    settled_within,
+    spread_of,
+    verdict,
 )
 from omnilearn.balance.efficiency import StepRow, ideal_step_s, measured_step_s
 
@@ -295,10 +318,48 @@ def test_arm_figures_first_step_zero_includes_warmup():
     assert fig["mean_batch"] == pytest.approx([(8 + 8 + 4 + 6) / 4, (8 + 8 + 12 + 10) / 4])
 
 
-# ---------------------------------------------------------------- add_speedups
+# ---------------------------------------------------------------- the steady range
 
 
-def test_add_speedups():
+def test_steps_per_epoch_from_step_records():
+    records = [{"event": "step", "step": s, "epoch": s // 19, "rank": 0} for s in range(40)]
+    assert steps_per_epoch(records, 40) == 19
+    assert steps_per_epoch(records[:10], 10) == 10  # shorter than an epoch: the run's length
+    assert steps_per_epoch([], 0) == 0
+
+
+@pytest.mark.parametrize("total, spe, first", [
+    (300, 19, 152), (150, 19, 76), (200, 19, 114), (100, 19, 57), (152, 19, 76),  # first boundary >= half
+    (100, 60, 60), (100, 70, 70), (100, 101, 0), (12, 39, 0),  # none before the end: the last one below half
+    (1, 19, 0), (0, 19, 0),
+])
+def test_steady_range_start_is_the_epoch_boundary_at_half(total, spe, first):
+    assert steady_range_start(total, spe) == first
+    assert steady_range_start(total, spe, dynamic=True) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 5000), st.integers(1, 500))
+def test_steady_range_start_properties(total, spe):
+    first = steady_range_start(total, spe)
+    assert 0 <= first < total and first % spe == 0
+    assert first >= total // 2 or first + spe >= total  # at half, unless no boundary lies in the second half
+
+
+def test_steady_wall_step_s_reads_the_clock_at_evaluations():
+    evals = [{"event": "eval", "step": 19, "wall_s": 1.0}, {"event": "eval", "step": 38, "wall_s": 2.5},
+             {"event": "eval", "step": 50, "wall_s": 3.1}]
+    assert steady_wall_step_s(evals, 38, 50, 3.2) == pytest.approx((3.2 - 2.5) / 12)  # the run's end: train_s
+    assert steady_wall_step_s(evals, 19, 38, 9.9) == pytest.approx((9.9 - 1.0) / 19)  # end given by train_s
+    assert steady_wall_step_s(evals, 0, 50, 3.2) == pytest.approx(3.2 / 50)  # step 0 is 0 s
+    assert steady_wall_step_s(evals, 20, 50, 3.2) is None  # no clock reading at step 20
+    assert steady_wall_step_s(evals, 50, 50, 3.2) is None
+
+
+# ---------------------------------------------------------------- paired speed-ups (benchsummary)
+
+
+def test_add_paired_single_repeat():
     results = [
         {"setting": "HL2", "arm": "uniform", "mean_step_s": 2.0, "in_step_s": 1.8, "ideal_step_s": 1.0},
         {"setting": "HL2", "arm": "omnilearn", "mean_step_s": 1.0, "in_step_s": 0.9, "ideal_step_s": 0.6},
@@ -306,7 +367,7 @@ def test_add_speedups():
         {"setting": "HL4", "arm": "omnilearn", "mean_step_s": 1.0, "in_step_s": 0.9, "ideal_step_s": 0.5},
         {"setting": "HL8", "arm": "uniform", "mean_step_s": 3.0, "in_step_s": 2.5, "ideal_step_s": 1.2},
     ]
-    assert add_speedups(results) is None
+    assert add_paired(results) is None
     got = [(r["setting"], r["arm"], r["speedup"], r["ideal_speedup"]) for r in results]
     assert got == [
         ("HL2", "uniform", 1.0, pytest.approx(3.0)),  # one ideal per setting: 1.8 / 0.6
@@ -315,45 +376,164 @@ def test_add_speedups():
         ("HL4", "omnilearn", None, None),  # no uniform arm
         ("HL8", "uniform", 1.0, None),  # no balanced arm
     ]
+    assert results[1]["speedup_of_ideal"] == pytest.approx(2 / 3)
+    assert results[1]["vs_uniform"] == 2.0 and results[1]["vs_static"] == pytest.approx(1.6)
+    assert "vs_uniform" not in results[0] and "vs_static" not in results[2]  # fixed arms get no verdict
+    assert results[3]["vs_static"] is None
 
 
-# ---------------------------------------------------------------- markdown_table
-
-HEADER = ("| setting | arm | step ms | samples/s | speed-up | ideal speed-up | balance eff. | "
-          "mean wait ms per worker | reaction steps (to T*+10%) | settle steps |")
-
-
-def test_markdown_table_rows():
-    results = [
-        {"setting": "HL2", "arm": "uniform", "mean_step_s": 0.25, "samples_per_s": 1024.4,
-         "speedup": 1.0, "ideal_speedup": 1.5, "balance_efficiency": 0.66666,
-         "wait_s_per_worker": [0.0123, 0.1], "reaction_steps": None},
-        {"setting": "HL8", "arm": "omni", "mean_step_s": 0.1234, "samples_per_s": 99.6,
-         "speedup": None, "ideal_speedup": None, "balance_efficiency": None,
-         "reaction_steps": [3, None, 0], "settle_steps": [1, 2, None]},
-        {"setting": "dyn", "arm": "omni", "mean_step_s": 1.0, "samples_per_s": 8.0,
-         "wait_s_per_worker": []},
+def test_add_paired_pairs_within_a_repeat_and_takes_the_lowest_balanced_t_star():
+    rows = [
+        {"setting": "HL8", "arm": "uniform", "repeat": 0, "mean_step_s": 2.0, "in_step_s": 1.6},
+        {"setting": "HL8", "arm": "omnilearn", "repeat": 0, "mean_step_s": 1.0, "ideal_step_s": 0.8},
+        {"setting": "HL8", "arm": "model", "repeat": 0, "mean_step_s": 1.25, "ideal_step_s": 0.5},
+        {"setting": "HL8", "arm": "uniform", "repeat": 1, "mean_step_s": 4.0, "in_step_s": 3.0},  # a slow repeat
+        {"setting": "HL8", "arm": "omnilearn", "repeat": 1, "mean_step_s": 2.5, "ideal_step_s": 1.5},
+        {"setting": "HL8", "arm": "model", "repeat": 1, "mean_step_s": 2.0, "ideal_step_s": 2.0},
     ]
-    lines = markdown_table(results).split("\n")
-    assert lines == [
-        HEADER,
-        "|---|---|---|---|---|---|---|---|---|---|",
-        "| HL2 | uniform | 250.0 | 1024 | 1.00 | 1.50 | 0.667 | 12.3/100.0 | – | – |",
-        "| HL8 | omni | 123.4 | 100 | – | – | – | – | 3,never,0 | 1,2,never |",
-        "| dyn | omni | 1000.0 | 8 | – | – | – | – | – | – |",
-    ]
-    for line in lines:
-        assert line.count("|") == 11
+    add_paired(rows)
+    assert [r["speedup"] for r in rows] == [1.0, 2.0, 1.6, 1.0, 1.6, 2.0]  # each against its own repeat's uniform
+    assert [r["ideal_speedup"] for r in rows] == [3.2, 3.2, 3.2, 2.0, 2.0, 2.0]  # 1.6 / 0.5, 3.0 / 1.5
+    assert rows[2]["speedup_of_ideal"] == pytest.approx(0.5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10)), min_size=1, max_size=6))
+def test_paired_speedup_is_the_ratio_within_each_repeat(times):
+    rows = []
+    for rep, (u, b) in enumerate(times):
+        rows += [{"setting": "s", "arm": "uniform", "repeat": rep, "mean_step_s": u},
+                 {"setting": "s", "arm": "omnilearn", "repeat": rep, "mean_step_s": b}]
+    add_paired(rows)
+    for rep, (u, b) in enumerate(times):
+        assert rows[2 * rep]["speedup"] == 1.0
+        assert rows[2 * rep + 1]["speedup"] == pytest.approx(u / b) == rows[2 * rep + 1]["vs_uniform"]
+
+
+# ---------------------------------------------------------------- verdict and spread
+
+
+def test_ci95_hand_computed():
+    lo, hi = ci95([1.0, 2.0, 3.0])  # mean 2, sd 1, t(0.975, 2) = 4.303
+    assert (lo, hi) == (pytest.approx(2 - 4.303 / 3 ** 0.5), pytest.approx(2 + 4.303 / 3 ** 0.5))
+    assert ci95([1.0]) is None
+
+
+@pytest.mark.parametrize("ratios, expected", [
+    ([1.1, 1.2, 1.05], "faster"),
+    ([1.01, 1.02], "faster"),
+    ([0.9, 0.95, 0.8], "slower"),
+    ([1.1, 0.95, 1.2], SAME),
+    ([1.0, 1.1, 1.2], SAME),  # exactly 1 is not faster
+    ([1.2] * 9 + [0.99], "faster"),  # one repeat below 1, but the 95% CI of the mean is well above
+    ([0.8] * 9 + [1.01], "slower"),
+    ([1.93], "– (1 repeat)"),  # one repeat: no spread, no verdict
+    ([1.2, None, 1.3], "– (3 repeats)"),
+    ([], "– (0 repeats)"),
+])
+def test_verdict(ratios, expected):
+    assert verdict(ratios) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.2, 5.0), min_size=2, max_size=8))
+def test_verdict_is_symmetric_and_needs_agreement(ratios):
+    v, inverse = verdict(ratios), verdict([1 / r for r in ratios])
+    assert {v, inverse} in ({"faster", "slower"}, {SAME})
+    if min(ratios) > 1:
+        assert v == "faster"
+    if v == SAME:
+        assert min(ratios) <= 1 <= max(ratios)
+
+
+def test_spread_of():
+    assert spread_of([1.0, 3.0, 2.0]) == {"mean": 2.0, "min": 1.0, "max": 3.0, "per_repeat": [1.0, 3.0, 2.0]}
+    assert spread_of([1.0, None]) == {"mean": None, "min": None, "max": None, "per_repeat": [1.0, None]}
+    assert spread_of([]) == {"mean": None, "min": None, "max": None, "per_repeat": []}
+
+
+def test_fmt_spread():
+    assert fmt_spread({"mean": 1.675, "min": 1.61, "max": 1.74}, ".2f") == "1.68 (1.61–1.74)"
+    assert fmt_spread({"mean": 0.0426, "min": 0.041, "max": 0.0441}, ".1f", 1e3) == "42.6 (41.0–44.1)"
+    assert fmt_spread({"mean": 2.0, "min": 2.0, "max": 2.0}, ".2f") == "2.00"  # one repeat: the value alone
+    assert fmt_spread({"mean": None}, ".2f") == fmt_spread(None, ".2f") == "–"
+
+
+def test_settled_within_needs_every_repeat():
+    assert settled_within([[0, 15, 16, None], [3, 2, 1, 0]], 15) == [True, True, False, False]
+    assert settled_within([[0, 1], [0]], 15) is None and settled_within([None], 15) is None
+
+
+def bench_rows():
+    """Two repeats, HL1 and HL8 (uniform, static, omnilearn) and paper (uniform, omnilearn), already measured."""
+    rows = []
+    steps = {("HL1", "uniform"): (1.0, 1.1), ("HL1", "static"): (1.0, 1.0), ("HL1", "omnilearn"): (0.95, 1.12),
+             ("HL8", "uniform"): (2.0, 2.2), ("HL8", "static"): (1.2, 1.1), ("HL8", "omnilearn"): (1.0, 1.0),
+             ("paper", "uniform"): (1.5, 1.5), ("paper", "omnilearn"): (1.0, 1.2)}
+    eff = {"HL1": 0.8, "HL8": 0.9, "paper": 0.85}
+    for rep in range(2):
+        for (setting, arm), t in steps.items():
+            paper = setting == "paper"
+            rows.append({"setting": setting, "arm": arm, "repeat": rep, "steps": 100,
+                         "run_dir": f"{setting}-{arm}-r{rep}",
+                         "mean_step_s": t[rep], "samples_per_s": 512 / t[rep], "in_step_s": 0.9 * t[rep],
+                         "ideal_step_s": 0.5, "balance_efficiency": eff[setting] + 0.02 * rep,
+                         "wait_s_per_worker": [0.01 * (rep + 1)] * 2, "mean_batch": [100.0, 412.0 + rep],
+                         "reaction_steps": [3, 20 + rep] if paper else None,
+                         "settle_steps": [0, 14 + 2 * rep] if paper else None,
+                         "speed_change_steps": [50, 75] if paper else None, "figures_from_step": 0 if paper else 57})
+    return rows
+
+
+def test_merge_gives_spread_verdicts_floor_and_settling():
+    rows = bench_rows()
+    add_paired(rows)
+    merged = merge(rows, control_interval=15)
+    add_floor(merged)
+    by = {(r["setting"], r["arm"]): r for r in merged}
+    assert len(merged) == 8 and all(r["repeats"] == 2 for r in merged)
+    hl8 = by["HL8", "omnilearn"]
+    assert hl8["speedup"] == pytest.approx(2.1) and hl8["spread"]["speedup"]["per_repeat"] == [2.0, 2.2]
+    assert hl8["spread"]["mean_step_s"] == {"mean": 1.0, "min": 1.0, "max": 1.0, "per_repeat": [1.0, 1.0]}
+    assert hl8["verdict"]["vs_uniform"]["verdict"] == "faster"
+    assert hl8["verdict"]["vs_static"]["verdict"] == "faster"  # 1.2 and 1.1: both above 1
+    assert hl8["verdict"]["vs_static"]["min"] == pytest.approx(1.1)
+    assert hl8["mean_batch"] == [100.0, 412.5] and hl8["wait_s_per_worker"] == pytest.approx([0.015, 0.015])
+    hl1 = by["HL1", "omnilearn"]
+    assert hl1["verdict"]["vs_uniform"]["verdict"] == SAME  # 1.0/0.95 > 1 but 1.1/1.12 < 1
+    assert "verdict" not in by["HL8", "static"]
+    assert hl8["efficiency_floor"] == pytest.approx(0.81) and hl8["efficiency_over_floor"] == pytest.approx(0.91 / 0.81)
+    assert by["HL8", "uniform"]["efficiency_floor"] is None  # only balanced arms
+    paper = by["paper", "omnilearn"]
+    assert paper["settle_steps"] == [0, 16] and paper["settle_steps_per_repeat"] == [[0, 14], [0, 16]]
+    assert paper["settled_within_interval"] == [True, False] and paper["reaction_steps"] == [3, 21]
+    assert by["HL8", "omnilearn"]["settled_within_interval"] is None
+
+
+def test_markdown_table_rows_and_notes():
+    rows = bench_rows()
+    add_paired(rows)
+    merged = merge(rows, 15)
+    add_floor(merged)
+    lines = markdown_table(merged, 15).split("\n")
+    assert lines[0] == HEADER and lines[1] == "|" + "---|" * 13
+    table = {tuple(line.split(" | ")[:2]): line for line in lines[2:10]}
+    hl8 = table["| HL8", "omnilearn"].split(" | ")
+    assert hl8[2:10] == ["1000.0", "512", "2.10 (2.00–2.20)", "3.78 (3.60–3.96)", "0.56",
+                         "0.910 (0.900–0.920) / 0.810", "faster ×2.10 (2.00–2.20)", "faster ×1.15 (1.10–1.20)"]
+    hl1 = table["| HL1", "omnilearn"].split(" | ")
+    assert hl1[7] == "0.810 (0.800–0.820)" and hl1[8].startswith(SAME)  # no floor beside HL1 itself
+    static = table["| HL8", "static"].split(" | ")
+    assert static[8:10] == ["–", "–"]
+    for line in lines[2:10]:
+        assert line.count("|") == 14
+    assert "Mean over 2 repeats (min–max)" in lines[11]
+    assert lines[-1].startswith("paper, omnilearn: settled within one control interval (15 steps) after 1 of 2 "
+                                "speed changes in every repeat (yes,no; worst repeat's settle steps 0,16)")
 
 
 def test_markdown_table_empty_is_header_only():
-    assert markdown_table([]) == HEADER + "\n|---|---|---|---|---|---|---|---|---|---|"
-
-
-def test_markdown_table_all_none_reactions():
-    r = {"setting": "s", "arm": "a", "mean_step_s": 0.001, "samples_per_s": 1.0,
-         "reaction_steps": [None, None]}
-    assert markdown_table([r]).splitlines()[-1].endswith("| – | never,never | – |")
+    assert markdown_table([]).split("\n")[:2] == [HEADER, "|" + "---|" * 13]
 
 
 def test_settle_steps_counts_to_the_blocks_own_settled_time():
@@ -367,8 +547,8 @@ def test_settle_steps_counts_to_the_blocks_own_settled_time():
 
 # ---------------------------------------------------------------- bench --mode asp
 
-from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, eval_points,  # noqa: E402
-                                  spread, staleness_histogram)
+from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table,  # noqa: E402
+                                              epoch_accuracies, equal_epochs, eval_points, spread, staleness_histogram)
 
 
 def push(version, rank, staleness, wall_s):
@@ -431,25 +611,62 @@ def test_spread():
     assert spread([]) == {"mean": None, "min": None, "max": None}
 
 
-def asp_row(arm, levels, acc, stale, target_s):
+def asp_row(arm, levels, acc, stale, target_s, at_epochs=(None, None)):
     return {"setting": "HL8", "arm": arm, "levels": levels, "train_s": spread([10.0, 10.2]),
             "test_accuracy": spread(acc), "accuracy_at_budget": spread(acc),
+            "accuracy_at_equal_epochs": spread(list(at_epochs)), "equal_epochs": [7, 8],
             "time_to_accuracy_s": spread(target_s), "mean_staleness": stale[0], "max_staleness": stale[1],
             "mean_staleness_per_worker": [4.0, 4.0, 4.0, 2.0] if levels == "asp" else [0.0] * 4,
             "updates_per_s_per_worker": [10.0, 10.0, 10.0, 30.25]}
 
 
 def test_asp_markdown_table():
-    rows = [asp_row("uniform", "asp", [0.6, 0.64], (3.5, 12), [4.0, None]),
-            asp_row("omnilearn", "asp", [0.7, 0.7], (2.0, 5), [3.0, 5.0]),
+    rows = [asp_row("uniform", "asp", [0.6, 0.64], (3.5, 12), [4.0, None], (0.5, 0.52)),
+            asp_row("omnilearn", "asp", [0.7, 0.7], (2.0, 5), [3.0, 5.0], (0.55, 0.55)),
             asp_row("bsp", "bsp", [0.72, 0.74], (0.0, 0), [2.0, 2.0])]
     lines = asp_markdown_table(rows, 10.0, 0.5).splitlines()
     assert lines[0].startswith("| setting | HL table | arm | train s | final test acc % | acc % at budget | "
-                               "time to 50% s |")
-    assert lines[2] == "| HL8 | asp | uniform | 10.1 | 62.0 (60.0–64.0) | 62.0 (60.0–64.0) | never | 3.50 | 12 | " \
-                       "4.0/4.0/4.0/2.0 | 10.0/10.0/10.0/30.2 |"
-    assert lines[3].split(" | ")[4:7] == ["70.0", "70.0", "4.0"]  # equal repeats: no range
-    assert lines[4].split(" | ")[1:3] == ["bsp", "bsp"]
+                               "acc % at equal epochs | time to 50% s |")
+    assert lines[2] == "| HL8 | asp | uniform | 10.1 | 62.0 (60.0–64.0) | 62.0 (60.0–64.0) | 51.0 (50.0–52.0) @7–8 | " \
+                       "never | 3.50 | 12 | 4.0/4.0/4.0/2.0 | 10.0/10.0/10.0/30.2 |"
+    assert lines[3].split(" | ")[4:8] == ["70.0", "70.0", "55.0 @7–8", "4.0"]  # equal repeats: no range
+    assert lines[4].split(" | ")[1:3] == ["bsp", "bsp"] and lines[4].split(" | ")[6] == "–"
     assert "Budget 10 s of training per arm" in lines[-1] and lines[-2] == ""
     no_target = asp_markdown_table(rows, 10.0, None).splitlines()
-    assert "time to target s" in no_target[0] and no_target[2].split(" | ")[6] == "–"
+    assert "time to target s" in no_target[0] and no_target[2].split(" | ")[7] == "–"
+
+
+# ---------------------------------------------------------------- accuracy at equal epochs
+
+
+def asp_eval(epoch, version, acc):
+    return {"event": "eval", "epoch": epoch, "version": version, "step": version // 4, "wall_s": 0.1 * version,
+            "test_accuracy": acc}
+
+
+def test_epoch_accuracies_asp_leaves_out_the_final_partial_evaluation():
+    records = [push(1, 0, 0, 0.1), asp_eval(0, 10, 0.3), push(11, 1, 1, 1.2), asp_eval(1, 20, 0.5),
+               push(21, 2, 0, 2.2), asp_eval(2, 25, 0.55)]  # the final one, mid-epoch 2
+    assert epoch_accuracies(records) == {1: 0.3, 2: 0.5}
+
+
+def bsp_records(total, spe):
+    records = [{"event": "step", "step": s, "epoch": s // spe, "rank": 0} for s in range(total)]
+    for e in range(-(-total // spe)):
+        step = min(total, (e + 1) * spe)
+        records.append({"event": "eval", "epoch": e, "step": step, "wall_s": 0.01 * step,
+                        "test_accuracy": 0.1 * (e + 1)})
+    return records
+
+
+def test_epoch_accuracies_bsp_counts_the_last_one_when_it_ends_an_epoch():
+    assert epoch_accuracies(bsp_records(50, 19)) == {1: 0.1, 2: 0.2}  # the last (step 50) is partial
+    assert epoch_accuracies(bsp_records(57, 19)) == {1: 0.1, 2: 0.2, 3: pytest.approx(0.3)}
+    assert epoch_accuracies(bsp_records(10, 19)) == {}  # never a whole epoch
+    assert epoch_accuracies([{"event": "eval", "epoch": 0, "step": 5, "test_accuracy": None}]) == {}
+
+
+def test_equal_epochs_is_the_largest_every_arm_reached():
+    assert equal_epochs([{1: 0.3, 2: 0.5, 3: 0.6}, {1: 0.4, 2: 0.45}, {1: 0.2, 2: 0.3, 3: 0.4, 4: 0.5}]) == 2
+    assert equal_epochs([{1: 0.3}, {}]) is None
+    assert equal_epochs([]) is None

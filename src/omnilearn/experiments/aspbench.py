@@ -1,4 +1,4 @@
-"""``omnilearn bench --mode asp``: asynchronous training, uniform vs OmniLearn, at equal training time.
+"""``omnilearn bench --mode asp``: asynchronous training, uniform vs OmniLearn, at equal time and epochs.
 
 Per setting (a heterogeneity level) and repeat, three arms, each given the
 same budget of training time (evaluation excluded):
@@ -13,17 +13,22 @@ a parameter server besides the workers, so all ASP arms run in one launch
 (arm order rotating per repeat) and the ``bsp`` arms in a second one. ASP
 arms stop at the budget (``max_time_s``); BSP has no time limit, so its
 ``max_steps`` is estimated from the omnilearn ASP arm's throughput
-(x ``BSP_MARGIN``; ``--steps`` overrides). "Accuracy at budget" is the last
-evaluation (one per epoch of data, and one at the end) at or before the budget.
-Repeat k runs every arm with seed ``--seed + k``. Unless ``--lr-schedule``
+(x ``BSP_MARGIN``; ``--steps`` overrides). Two accuracies compare the arms:
+"at budget", the last evaluation (one per epoch of data, and one at the end)
+at or before the budget; "at equal epochs", each arm's evaluation after the
+largest number of whole epochs of data that every arm of the setting reached
+in that repeat (:func:`~omnilearn.experiments.benchstats.epoch_accuracies`),
+so an arm is not credited for getting through more data in the time.
+Repeat k runs every arm with seed ``--seed + k`` (default 3 repeats, ``--quick``
+1); figures are the mean and min–max over repeats. Unless ``--lr-schedule``
 is given all arms use a constant rate: a step-based schedule would anneal
 arms that progress at different speeds differently by the budget.
 
 Writes ``OUT/<setting>-<arm>[-r<k>]/`` run directories, ``OUT/bench.json``,
 ``OUT/bench.md`` and the table on stdout.
 
-    omnilearn bench --mode asp --quick --out runs/asp-quick   # HL8, 1 repeat: ~2-3 minutes on 2 cores
-    omnilearn bench --mode asp --repeats 3 --out runs/asp     # HL1..HL8, 3 seeds
+    omnilearn bench --mode asp --quick --out runs/asp-quick   # HL8, 1 seed, 20 s per arm: ~2-3 minutes on 2 cores
+    omnilearn bench --mode asp --out runs/asp                 # HL1..HL8, 3 seeds, 30 s per arm: ~20 minutes
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ from typing import Callable
 from omnilearn.experiments import launch
 from omnilearn.experiments.bench import Arm
 from omnilearn.experiments.bench import parse_settings as parse_any_setting
-from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, eval_points, spread,
-                                  staleness_histogram, time_to_accuracy)
+from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, epoch_accuracies,
+                                              equal_epochs, eval_points, spread, staleness_histogram, time_to_accuracy)
 from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
 from omnilearn.observe.metrics import read_metrics
 from omnilearn.observe.rundir import RunDirError, prepare, write_json
@@ -50,10 +55,11 @@ SETTINGS = ("HL1", "HL2", "HL4", "HL8")
 QUICK_SETTINGS = ("HL8",)
 ARMS = ("uniform", "omnilearn", "bsp")
 BSP_LR, BSP_MOMENTUM = TrainConfig.lr, TrainConfig.momentum  # the bsp arm's optimizer: the BSP defaults
-BUDGET_S = {"full": 60.0, "quick": 20.0}  # training seconds per arm
+BUDGET_S = {"full": 30.0, "quick": 20.0}  # training seconds per arm
+REPEATS = {"full": 3, "quick": 1}  # seeds --seed, --seed + 1, ...
 ASP_MAX_STEPS = 10**6  # ASP arms stop on time, long before this (and --epochs is lifted to match)
 BSP_MARGIN = 1.3  # bsp steps: this many times what the ASP throughput would do in the budget
-REPEATED = ("test_accuracy", "accuracy_at_budget", "time_to_accuracy_s", "train_s")
+REPEATED = ("test_accuracy", "accuracy_at_budget", "accuracy_at_equal_epochs", "time_to_accuracy_s", "train_s")
 PER_WORKER_MEANS = ("mean_staleness_per_worker", "updates_per_s_per_worker", "mean_batch_per_worker",
                     "mean_cycle_s_per_worker", "mean_compute_s_per_worker")
 
@@ -118,7 +124,8 @@ def measure(arm: Arm, budget_s: float, target: float | None) -> dict:
            "levels": cfg.mode, "train_s": summary["train_s"], "test_accuracy": summary.get("test_accuracy"),
            "accuracy_at_budget": accuracy_at_time(points, budget_s), "samples_per_s": summary["samples_per_s"],
            "time_to_accuracy_s": time_to_accuracy([{"wall_s": t, "test_accuracy": a} for t, a in points], target),
-           "accuracy_curve": [list(p) for p in points]}
+           "accuracy_curve": [list(p) for p in points],
+           "epoch_accuracy": epoch_accuracies(records)}
     if cfg.mode == "bsp":  # synchronous: every gradient is computed on the current weights
         rate = summary["steps"] / summary["train_s"]
         workers = summary.get("workers") or []
@@ -148,6 +155,18 @@ def _columns(lists: list, combine: Callable) -> list | None:
     return [combine(col) for col in zip(*lists)]
 
 
+def add_equal_epochs(results: list[dict]) -> None:
+    """Per setting and repeat: ``equal_epochs`` (whole epochs every arm reached) and each arm's accuracy there."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["setting"], r["repeat"]), []).append(r)
+    for rs in groups.values():
+        epochs = equal_epochs([r["epoch_accuracy"] for r in rs])
+        for r in rs:
+            r["equal_epochs"] = epochs
+            r["accuracy_at_equal_epochs"] = None if epochs is None else r["epoch_accuracy"].get(epochs)
+
+
 def merge(results: list[dict], settings: tuple[str, ...], budget_s: float) -> list[dict]:
     """One row per setting x arm: repeats kept per figure (``per_repeat``) with mean, min and max."""
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -157,9 +176,10 @@ def merge(results: list[dict], settings: tuple[str, ...], budget_s: float) -> li
     for (setting, arm), rs in sorted(groups.items(), key=lambda kv: (settings.index(kv[0][0]), ARMS.index(kv[0][1]))):
         rs = sorted(rs, key=lambda r: r["repeat"])
         row = {"setting": setting, "arm": arm, "levels": rs[0]["levels"], "repeats": len(rs),
-               "seeds": [r["seed"] for r in rs], "run_dirs": [r["run_dir"] for r in rs]}
+               "seeds": [r["seed"] for r in rs], "run_dirs": [r["run_dir"] for r in rs],
+               "equal_epochs": [r.get("equal_epochs") for r in rs]}
         for key in REPEATED:
-            row[key] = {**spread([r[key] for r in rs]), "per_repeat": [r[key] for r in rs]}
+            row[key] = {**spread([r.get(key) for r in rs]), "per_repeat": [r.get(key) for r in rs]}
         row.update(updates=fmean(r["updates"] for r in rs), samples_per_s=fmean(r["samples_per_s"] for r in rs),
                    mean_staleness=fmean(r["mean_staleness"] for r in rs),
                    max_staleness=max(r["max_staleness"] for r in rs),
@@ -199,6 +219,7 @@ def run(base: TrainConfig, settings: tuple[str, ...], budget_s: float, repeats: 
     bsp = plan_bsp(base, settings, repeats, steps, out)
     _launch(bsp, out)
     measured += [measure(a, budget_s, target) for a in bsp]
+    add_equal_epochs(measured)
     rows = merge(measured, settings, budget_s)
     bench = {"train_mode": "asp", "mode": length, "time_budget_s": budget_s, "settings": list(settings),
              "arms": list(ARMS), "workers": base.workers, "global_batch": base.global_batch,

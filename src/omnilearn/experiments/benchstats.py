@@ -1,12 +1,18 @@
-"""The figures ``omnilearn bench`` reports, computed from per-step metrics. Pure.
+"""The figures ``omnilearn bench`` reports for one run, computed from its records. Pure.
 
-Per arm: the mean wall time per step (training loop, evaluation excluded),
-samples/s, ``T*`` and balance efficiency (see :mod:`omnilearn.balance.efficiency`),
-each worker's mean wait, and for a dynamic routine the reaction time to each
-speed change. Across arms of one setting: speed-up over ``uniform`` and the
-ideal speed-up ``uniform step / T*``. For ``bench --mode asp``: accuracy at a
-training-time budget, staleness histograms, repeats as mean and range, and
-its table. Test: ``pytest tests/unit/test_benchstats.py``.
+Per arm and repeat, over one steady range of steps (:func:`steady_range_start`:
+from the first epoch boundary at or after half the run; the whole run for the
+dynamic ``paper`` routine): wall time per step read off the training clock
+at the range's ends (:func:`steady_wall_step_s`; evaluation excluded),
+samples/s, the mean time inside the steps, ``T*`` and balance efficiency
+(see :mod:`omnilearn.balance.efficiency`), each worker's mean batch, compute
+and wait; for a dynamic routine the reaction and settle time after each speed
+change. Across arms and repeats (paired speed-ups, spread, verdicts, the
+table): :mod:`omnilearn.experiments.benchsummary`. For ``bench --mode asp``:
+accuracy at a training-time budget and at equal epochs of data, staleness
+histograms, repeats as mean and range, and its table.
+
+Test: ``pytest tests/unit/test_benchstats.py``.
 """
 
 from __future__ import annotations
@@ -94,6 +100,43 @@ def fidelity_error(rows: Sequence[StepRow], speeds: Sequence[float], first_step:
     return max(errors)
 
 
+def steps_per_epoch(records: Iterable[dict], total_steps: int) -> int:
+    """A BSP run's steps per epoch, from its step records (``epoch = step // steps_per_epoch``).
+
+    A run shorter than one epoch gives ``total_steps`` (its only epoch boundary is step 0).
+    """
+    firsts = [r["step"] for r in records if r.get("event") == "step" and r.get("epoch") == 1]
+    return min(firsts) if firsts else total_steps
+
+
+def steady_range_start(total_steps: int, steps_per_epoch: int, dynamic: bool = False) -> int:
+    """First step of the measured range: the first epoch boundary at or after half the run, else the last before it.
+
+    Epoch boundaries are where a run's training clock is read (its evaluations), so the wall time of the
+    range is exact; ``plainddp`` takes its clock at the same step. ``dynamic`` (a speed schedule): step 0,
+    the whole run. Warm-up is a separate, unmeasured job (:mod:`omnilearn.experiments.bench`).
+    """
+    if dynamic or total_steps <= 1:
+        return 0
+    spe, half = max(1, steps_per_epoch), total_steps // 2
+    up = -(-half // spe) * spe
+    return up if up < total_steps else half // spe * spe
+
+
+def steady_wall_step_s(evals: Iterable[dict], first_step: int, end_step: int, train_s: float) -> float | None:
+    """Training-clock seconds per step over steps ``first_step .. end_step - 1``; ``None`` without a clock point there.
+
+    Clock points: step 0 (0 s), every evaluation (``step`` done, ``wall_s``: training time, evaluation
+    excluded) and the run's end (``train_s``). So per-interval control work and data loading count, as in
+    plain DDP's wall clock; evaluation does not.
+    """
+    at = {0: 0.0, **{int(e["step"]): float(e["wall_s"]) for e in evals if "step" in e and "wall_s" in e}}
+    at[end_step] = train_s
+    if first_step not in at or end_step <= first_step:
+        return None
+    return (at[end_step] - at[first_step]) / (end_step - first_step)
+
+
 def arm_figures(rows: Sequence[StepRow], global_batch: int, wall_step_s: float, first_step: int) -> dict:
     """Step-time figures of one arm over the steps ``>= first_step``."""
     kept = [v for s, v in by_step(rows).items() if s >= first_step]
@@ -108,46 +151,6 @@ def arm_figures(rows: Sequence[StepRow], global_batch: int, wall_step_s: float, 
         "compute_s_per_worker": [s.mean_compute_s for s in stats],
         "wait_s_per_worker": [s.mean_wait_s for s in stats],
     }
-
-
-def add_speedups(results: list[dict], balanced_arm: str = "omnilearn") -> None:
-    """Fill ``speedup`` and ``ideal_speedup`` in place.
-
-    ``speedup``: uniform wall time per step / the arm's. ``ideal_speedup``, one
-    per setting: uniform in-step time / ``T*`` of the balanced arm (both
-    measured inside the steps, over the same range of steps), i.e. the most
-    balancing could win over equal batches on these workers.
-    """
-    uniform = {r["setting"]: r for r in results if r["arm"] == "uniform"}
-    balanced = {r["setting"]: r for r in results if r["arm"] == balanced_arm}
-    for r in results:
-        base, best = uniform.get(r["setting"]), balanced.get(r["setting"])
-        r["speedup"] = base["mean_step_s"] / r["mean_step_s"] if base else None
-        ok = base and best and base.get("in_step_s") and best.get("ideal_step_s")
-        r["ideal_speedup"] = base["in_step_s"] / best["ideal_step_s"] if ok else None
-
-
-def _steps(values: Sequence[int | None] | None) -> str:
-    return "–" if values is None else ",".join("never" if x is None else str(x) for x in values)
-
-
-def _fmt(value, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
-def markdown_table(results: Sequence[dict]) -> str:
-    head = ("| setting | arm | step ms | samples/s | speed-up | ideal speed-up | balance eff. | "
-            "mean wait ms per worker | reaction steps (to T*+10%) | settle steps |")
-    lines = [head, "|" + "---|" * 10]
-    for r in results:
-        wait = "/".join(f"{w * 1e3:.1f}" for w in r.get("wait_s_per_worker") or []) or "–"
-        react, settle = (_steps(r.get("reaction_steps")), _steps(r.get("settle_steps")))
-        lines.append(
-            f"| {r['setting']} | {r['arm']} | {r['mean_step_s'] * 1e3:.1f} | {r['samples_per_s']:.0f} | "
-            f"{_fmt(r.get('speedup'), '.2f')} | {_fmt(r.get('ideal_speedup'), '.2f')} | "
-            f"{_fmt(r.get('balance_efficiency'), '.3f')} | {wait} | {react} | {settle} |"
-        )
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- bench --mode asp
@@ -180,6 +183,34 @@ def accuracy_at_time(points: Sequence[tuple[float, float]], budget_s: float) -> 
     return max(before, key=lambda p: p[0])[1] if before else None
 
 
+def epoch_accuracies(records: Iterable[dict]) -> dict[int, float]:
+    """Test accuracy after each whole epoch of data: ``{epochs done: accuracy}``.
+
+    Evaluations come once per epoch (``epoch``: the index of the epoch just
+    finished, so ``epoch + 1`` epochs are done) and once at the end, after a
+    partial epoch. ASP (``push`` records present): the final evaluation is
+    left out (its ``epoch`` is the one still being dealt). BSP: the last one
+    counts when its ``step`` ends an epoch (steps per epoch from the step records).
+    """
+    records = list(records)
+    evals = [r for r in records if r.get("event") == "eval" and isinstance(r.get("test_accuracy"), (int, float))
+             and isinstance(r.get("epoch"), int)]
+    if not evals:
+        return {}
+    whole, last = evals[:-1], evals[-1]
+    if not any(r.get("event") == "push" for r in records):
+        spe = steps_per_epoch(records, 0)
+        if spe > 0 and last.get("step") == (last["epoch"] + 1) * spe:
+            whole.append(last)
+    return {r["epoch"] + 1: float(r["test_accuracy"]) for r in whole}
+
+
+def equal_epochs(arms: Sequence[dict[int, float]]) -> int | None:
+    """The largest epoch count every arm reached (an evaluation after it), ``None`` when one reached none."""
+    reached = [max(a) if a else 0 for a in arms]
+    return min(reached) if reached and min(reached) > 0 else None
+
+
 def staleness_histogram(pushes: Iterable[dict], workers: int) -> list[list[int]]:
     """``counts[w][s]``: pushes of worker ``w`` applied with staleness ``s``; all rows as long as the largest."""
     counts: list[dict[int, int]] = [{} for _ in range(workers)]
@@ -206,29 +237,43 @@ def spread(values: Sequence[float | None]) -> dict:
     return {"mean": fmean(values), "min": min(values), "max": max(values)}
 
 
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
 def _pct(s: dict) -> str:
     if s["mean"] is None:
         return "–"
     return f"{s['mean'] * 100:.1f}" + (f" ({s['min'] * 100:.1f}–{s['max'] * 100:.1f})" if s["max"] > s["min"] else "")
 
 
+def _epochs(values: Sequence[int | None] | None) -> str:
+    done = sorted({v for v in values or [] if v is not None})
+    return "" if not done else f" @{done[0]}" if len(done) == 1 else f" @{done[0]}–{done[-1]}"
+
+
 def asp_markdown_table(results: Sequence[dict], budget_s: float, target: float | None) -> str:
     """The ``bench --mode asp`` table, with a footnote on what each column means."""
     goal = "target" if target is None else f"{target * 100:g}%"
-    lines = [f"| setting | HL table | arm | train s | final test acc % | acc % at budget | time to {goal} s | "
-             "mean staleness | max staleness | mean staleness per worker | updates/s per worker |", "|" + "---|" * 11]
+    lines = [f"| setting | HL table | arm | train s | final test acc % | acc % at budget | acc % at equal epochs | "
+             f"time to {goal} s | mean staleness | max staleness | mean staleness per worker | updates/s per worker |",
+             "|" + "---|" * 12]
     for r in results:
         tta = r.get("time_to_accuracy_s")
         tta_text = "–" if target is None else "never" if tta["mean"] is None else f"{tta['mean']:.1f}"
         rates = "/".join(f"{u:.1f}" for u in r.get("updates_per_s_per_worker") or []) or "–"
         stale = "/".join(f"{u:.1f}" for u in r.get("mean_staleness_per_worker") or []) or "–"
+        at_epochs = r.get("accuracy_at_equal_epochs") or {"mean": None}
         lines.append(
             f"| {r['setting']} | {r['levels']} | {r['arm']} | {r['train_s']['mean']:.1f} | "
-            f"{_pct(r['test_accuracy'])} | "
-            f"{_pct(r['accuracy_at_budget'])} | {tta_text} | {_fmt(r.get('mean_staleness'), '.2f')} | "
+            f"{_pct(r['test_accuracy'])} | {_pct(r['accuracy_at_budget'])} | "
+            f"{_pct(at_epochs)}{_epochs(r.get('equal_epochs')) if at_epochs['mean'] is not None else ''} | "
+            f"{tta_text} | {_fmt(r.get('mean_staleness'), '.2f')} | "
             f"{_fmt(r.get('max_staleness'), 'd')} | {stale} | {rates} |")
     lines.append(f"\nBudget {budget_s:g} s of training per arm (evaluation excluded). Accuracy: mean over repeats "
-                 "(min–max); at budget: the last evaluation at or before it. asp arms: the ASP HL table, "
-                 "bsp: the BSP table (synchronous: staleness 0, updates/s = steps/s). Mean staleness over all "
-                 "pushes is about workers - 1 whatever the balance; per worker and max show it.")
+                 "(seeds; min–max); at budget: the last evaluation at or before it; at equal epochs: after the "
+                 "largest number of whole epochs of data (@E) that every arm of the setting reached in that repeat. "
+                 "asp arms: the ASP HL table, bsp: the BSP table (synchronous: staleness 0, updates/s = steps/s). "
+                 "Mean staleness over all pushes is about workers - 1 whatever the balance; per worker and max "
+                 "show it.")
     return "\n".join(lines)

@@ -126,21 +126,28 @@ def _train_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     from omnilearn.experiments import aspbench
-    from omnilearn.experiments.bench import SETTINGS
+    from omnilearn.experiments.bench import FIXED_ARMS, PAPER_BLOCK_STEPS, REPEATS, SETTINGS, STEPS
 
-    p = sub.add_parser("bench", help="uniform vs static vs omnilearn (and plain DDP at HL1), side by side; "
-                       "--mode asp: asynchronous uniform vs omnilearn (and omnilearn BSP) at equal training time",
-                       argument_default=argparse.SUPPRESS)
+    p = sub.add_parser("bench", help="uniform vs static vs omnilearn (and plain DDP at HL1), side by side, over "
+                       "interleaved repeats; --mode asp: asynchronous uniform vs omnilearn (and omnilearn BSP) at "
+                       "equal training time and equal epochs", argument_default=argparse.SUPPRESS)
     _workload_args(p)
     add = p.add_argument
     add("--speeds", help=f"settings to run, comma-separated (default {','.join(SETTINGS)}; --mode asp: "
         f"{','.join(aspbench.SETTINGS)}, --quick {','.join(aspbench.QUICK_SETTINGS)})")
-    add("--quick", action="store_true", help="fewer steps per arm: a few minutes on 2 cores")
-    add("--repeats", type=int, help="run every arm this many times, rotating the order (default 1; --mode asp: "
-        "repeat k uses --seed + k)")
-    add("--steps", type=int, help="steps per arm at a fixed setting (default 300, --quick 90; --mode asp: steps of "
-        "the bsp arm, default: estimated to cover the time budget)")
-    add("--block-steps", type=int, help="steps per block of the 8-block paper routine (default 60, --quick 40)")
+    add("--arms", help=f"controllers to compare, comma-separated, from {', '.join(CONTROLLERS)} (default "
+        f"{','.join(FIXED_ARMS)} and --controller, itself omnilearn by default; plain DDP runs at HL1 besides)")
+    add("--controller", choices=CONTROLLERS, help="the balancing arm beside uniform and static (default omnilearn; "
+        "--arms overrides)")
+    add("--quick", action="store_true", help="shorter: fewer steps and repeats, a few minutes on 2 cores")
+    add("--repeats", type=int, help=f"interleaved repeats of every arm, arm order rotating (default "
+        f"{REPEATS['full']}, --quick {REPEATS['quick']}; --mode asp: {aspbench.REPEATS['full']}, --quick "
+        f"{aspbench.REPEATS['quick']}, repeat k uses --seed + k)")
+    add("--steps", type=int, help=f"steps per arm and repeat at a fixed setting (default {STEPS['full']}, --quick "
+        f"{STEPS['quick']}; figures from the epoch boundary at half on; --mode asp: steps of the bsp arm, default: "
+        "estimated to cover the time budget)")
+    add("--block-steps", type=int, help=f"steps per block of the 8-block paper routine (default "
+        f"{PAPER_BLOCK_STEPS['full']}, --quick {PAPER_BLOCK_STEPS['quick']})")
     add("--time-budget-s", type=float, help=f"--mode asp: seconds of training per arm (default "
         f"{aspbench.BUDGET_S['full']:g}, --quick {aspbench.BUDGET_S['quick']:g})")
     add("--target-accuracy", type=float, help="also report time to this test accuracy (0-1) per arm")
@@ -297,25 +304,30 @@ def _train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     from omnilearn.experiments import bench as bench_mod
-    from omnilearn.experiments.benchstats import markdown_table
+    from omnilearn.experiments.benchsummary import markdown_table
 
     if launched_by_torchrun():
         raise ConfigError("omnilearn bench launches its own local workers; run it without torchrun")
     budget_s = vars(args).pop("time_budget_s", None)  # not a TrainConfig field
-    repeats = getattr(args, "repeats", 1)
-    if repeats < 1:
+    arms_text = vars(args).pop("arms", None)  # nor this
+    repeats = getattr(args, "repeats", None)
+    if repeats is not None and repeats < 1:
         raise ConfigError(f"--repeats {repeats} must be at least 1")
     target = getattr(args, "target_accuracy", None)
     if target is not None and not 0 < target <= 1:
         raise ConfigError(f"--target-accuracy {target} must be a fraction in (0, 1], e.g. 0.9")
+    mode = "quick" if getattr(args, "quick", False) else "full"
     if getattr(args, "mode", "bsp") == "asp":
         from omnilearn.experiments import aspbench
 
-        return aspbench.command(args, _config, _plots, budget_s, repeats, target)
+        if arms_text is not None:
+            raise ConfigError("--arms picks the controllers of a BSP bench; --mode asp runs uniform, omnilearn, bsp")
+        return aspbench.command(args, _config, _plots, budget_s, repeats or aspbench.REPEATS[mode], target)
     if budget_s is not None:
         raise ConfigError("--time-budget-s is only used with --mode asp; a BSP bench runs --steps per arm")
     settings = bench_mod.parse_settings(getattr(args, "speeds", ",".join(bench_mod.SETTINGS)))
     base = _config(args, speeds=None, out=None, quiet=True)
+    arms = bench_mod.parse_arms(arms_text, base.controller)
     if "HL1" in settings and base.emulator not in ("delay", "none"):
         raise ConfigError(f"the plain-DDP arm at HL1 runs without OS throttles; use --emulator delay or drop HL1 "
                           f"from --speeds (got --emulator {base.emulator})")
@@ -323,7 +335,6 @@ def bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"the plain-DDP arm needs --global-batch {base.global_batch} divisible by --workers "
                           f"{base.workers}")
     out = Path(getattr(args, "out", None) or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S"))
-    mode = "quick" if getattr(args, "quick", False) else "full"
     steps = getattr(args, "steps", bench_mod.STEPS[mode])
     block = getattr(args, "block_steps", bench_mod.PAPER_BLOCK_STEPS[mode])
     for flag, value in (("--steps", steps), ("--block-steps", block)):
@@ -333,10 +344,11 @@ def bench(args: argparse.Namespace) -> int:
     from omnilearn.experiments.workload import resolve
 
     n_train = len(workload.check(base).train)
-    for arm in bench_mod.plan(base, settings, steps, block, 1, out):  # every arm valid before anything runs
+    for arm in bench_mod.plan(base, settings, steps, block, 1, out, arms):  # every arm valid before anything runs
         resolve(arm.job.cfg, n_train)
-    result = bench_mod.run(base, settings, (mode, steps, block), repeats, target, out, getattr(args, "overwrite", False))
-    print(markdown_table(result["results"]))
+    result = bench_mod.run(base, settings, (mode, steps, block), repeats or bench_mod.REPEATS[mode], target, out,
+                           getattr(args, "overwrite", False), arms)
+    print(markdown_table(result["results"], base.control_interval))
     print(f"bench: {out / 'bench.json'}")
     if getattr(args, "plots", True):
         runs = {Path(d) for r in result["results"] if r["arm"] != "ddp" for d in r["run_dirs"]}

@@ -26,7 +26,8 @@ from omnilearn.experiments.report.records import WINDOW, RunData  # noqa: E402
 
 DPI = 110
 SIZE = (9, 5)
-ARM_COLORS = {"uniform": "tab:gray", "static": "tab:orange", "omnilearn": "tab:blue", "ddp": "tab:green"}
+ARM_COLORS = {"uniform": "tab:gray", "static": "tab:orange", "omnilearn": "tab:blue", "ddp": "tab:green",
+              "model": "tab:purple"}
 
 
 def save_figure(fig, path: Path) -> Path:
@@ -136,15 +137,23 @@ def loss_accuracy(path: Path, time_s: Sequence[float], loss: Sequence[float], ev
     return save_figure(fig, path)
 
 
-def _grouped(ax, settings: list[str], arms: list[str], values: dict, fmt: str) -> float:
-    """Grouped bars (one group per setting, one bar per arm); missing values are skipped. Returns bar width."""
+def _grouped(ax, settings: list[str], arms: list[str], values: dict, fmt: str, ranges: dict | None = None) -> float:
+    """Grouped bars (one group per setting, one bar per arm), min–max whiskers from ``ranges[(setting, arm)]``
+    where given (repeats); missing values are skipped. Returns bar width."""
     width = 0.8 / max(1, len(arms))
+    ranges = ranges or {}
     for j, arm in enumerate(arms):
-        xs = [i + (j - (len(arms) - 1) / 2) * width for i, s in enumerate(settings) if values[s, arm] is not None]
-        ys = [values[s, arm] for s in settings if values[s, arm] is not None]
+        shown = [(i, s) for i, s in enumerate(settings) if values[s, arm] is not None]
+        xs = [i + (j - (len(arms) - 1) / 2) * width for i, _ in shown]
+        ys = [values[s, arm] for _, s in shown]
         if xs:
             bars = ax.bar(xs, ys, width, color=ARM_COLORS.get(arm, f"C{(j + 4) % 10}"), label=arm)
             ax.bar_label(bars, fmt=fmt, fontsize=7, padding=1)
+            spans = [ranges.get((s, arm)) for _, s in shown]
+            if any(spans):
+                spans = [span or (y, y) for y, span in zip(ys, spans)]
+                err = [[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]]
+                ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor="black", elinewidth=1, capsize=2)
         for i, s in enumerate(settings):
             if values[s, arm] is None:
                 ax.text(i + (j - (len(arms) - 1) / 2) * width, 0, "n/a", ha="center", va="bottom", fontsize=7,
@@ -155,9 +164,15 @@ def _grouped(ax, settings: list[str], arms: list[str], values: dict, fmt: str) -
     return width
 
 
-def speedup(path: Path, settings: list[str], arms: list[str], values: dict, ideal: dict) -> Path:
+def _top(values: dict, ranges: dict | None, *more: float | None) -> float:
+    highs = [v for v in values.values() if v is not None] + [hi for _, hi in (ranges or {}).values()]
+    return max(highs + [v for v in more if v is not None])
+
+
+def speedup(path: Path, settings: list[str], arms: list[str], values: dict, ideal: dict,
+            ranges: dict | None = None) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
-    _grouped(ax, settings, arms, values, "%.2f")
+    _grouped(ax, settings, arms, values, "%.2f", ranges)
     ax.axhline(1.0, color="black", linewidth=0.8)
     first = True
     for i, s in enumerate(settings):
@@ -165,20 +180,20 @@ def speedup(path: Path, settings: list[str], arms: list[str], values: dict, idea
             ax.hlines(ideal[s], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1.5,
                       label="ideal: uniform step / T*" if first else None)
             first = False
-    top = max([v for v in values.values() if v is not None] + [v for v in ideal.values() if v is not None])
-    ax.set_ylim(0, top * 1.15)
+    ax.set_ylim(0, _top(values, ranges, *ideal.values()) * 1.15)
     ax.set_ylabel("speed-up over uniform batches (×)")
-    ax.set_title("Speed-up over uniform batches per setting (uniform = 1.0)")
+    whiskers = "\npaired per repeat; whiskers: min–max over repeats" if ranges else ""
+    ax.set_title(f"Speed-up over uniform batches per setting (uniform = 1.0){whiskers}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     return save_figure(fig, path)
 
 
-def efficiency(path: Path, settings: list[str], arms: list[str], values: dict) -> Path:
+def efficiency(path: Path, settings: list[str], arms: list[str], values: dict, ranges: dict | None = None) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
-    _grouped(ax, settings, arms, values, "%.2f")
+    _grouped(ax, settings, arms, values, "%.2f", ranges)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ideal (η = 1)")
-    ax.set_ylim(0, max([1.0] + [v for v in values.values() if v is not None]) * 1.12)
+    ax.set_ylim(0, _top(values, ranges, 1.0) * 1.12)
     ax.set_ylabel("balance efficiency η = T* / T measured")
-    ax.set_title("Balance efficiency per setting and arm")
+    ax.set_title("Balance efficiency per setting and arm" + ("\nwhiskers: min–max over repeats" if ranges else ""))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     return save_figure(fig, path)

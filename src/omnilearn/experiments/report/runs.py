@@ -4,7 +4,8 @@
 
 - a train run (``metrics.jsonl``, optional ``summary.json``) -> ``batches.png``,
   ``compute_wait.png``, ``step_time.png``, ``loss_accuracy.png``;
-- a bench (``bench.json``) -> ``speedup.png``, ``efficiency.png``;
+- a bench (``bench.json``) -> ``speedup.png``, ``efficiency.png`` (with
+  min–max whiskers where rows carry ``spread`` over repeats);
 - an ASP run or ``bench --mode asp`` -> see :mod:`omnilearn.experiments.report.asp`.
 
 The PNGs are written next to the data and their paths returned. Reading and
@@ -28,7 +29,7 @@ from omnilearn.experiments.report.aspruns import is_asp_bench, is_asp_run
 from omnilearn.experiments.report.records import (WINDOW, ReportError, load_bench, load_run, mean_step_s,
                                                   rolling_median, step_ideal_s, summary_writer, training_time_s)
 
-ARM_ORDER = ("uniform", "static", "omnilearn", "ddp")
+ARM_ORDER = ("uniform", "static", "omnilearn", "model", "ddp")
 
 
 def render_run(run_dir: Path) -> list[Path]:
@@ -69,10 +70,25 @@ def render_bench(bench_dir: Path) -> list[Path]:
     ideal = {s: _first_number(results, s, ["omnilearn", *arms], "ideal_speedup") for s in settings}
     out = []
     if any(v is not None for v in speedup.values()):
-        out.append(plots.speedup(bench_dir / "speedup.png", settings, arms, speedup, ideal))
+        out.append(plots.speedup(bench_dir / "speedup.png", settings, arms, speedup, ideal,
+                                 _ranges(settings, arms, results, "speedup")))
     eff = _table(settings, arms, results, "balance_efficiency")
     if any(v is not None for v in eff.values()):
-        out.append(plots.efficiency(bench_dir / "efficiency.png", settings, arms, eff))
+        out.append(plots.efficiency(bench_dir / "efficiency.png", settings, arms, eff,
+                                    _ranges(settings, arms, results, "balance_efficiency")))
+    return out
+
+
+def _ranges(settings, arms, results, key) -> dict[tuple[str, str], tuple[float, float]]:
+    """(min, max) over repeats of ``key`` per setting x arm, from a row's ``spread`` (benches of several repeats)."""
+    out = {}
+    for s in settings:
+        for a in arms:
+            row = _find(results, s, a) or {}
+            span = (row.get("spread") or {}).get(key) if isinstance(row.get("spread"), dict) else None
+            lo, hi = _number(span, "min"), _number(span, "max")
+            if lo is not None and hi is not None and hi > lo:
+                out[s, a] = (lo, hi)
     return out
 
 
