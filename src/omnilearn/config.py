@@ -10,6 +10,13 @@ it across ranks at start): everything but host-local values such as paths
 (``out``, ``data_dir``), the device and console settings; a speed-schedule
 file counts by its content, not its path, so nodes may mount it anywhere.
 
+``max_batch`` (the largest batch a worker may get, its memory cap): one
+number for every worker, one per worker (a list or tuple, in TOML an array,
+on the command line ``256,64,64,64``; stored as a tuple), ``"auto"`` (on
+CUDA each rank measures its first step's memory and caps itself:
+:mod:`omnilearn.bsp.memory`), or None (no cap beyond the global batch).
+:attr:`BalanceConfig.batch_caps` is the form the planner takes.
+
 Run: ``python -m pytest -q tests/unit/test_session_state.py tests/unit/test_cli_errors.py``
 """
 
@@ -56,7 +63,8 @@ class BalanceConfig:
     controller: str = "omnilearn"
     deadband: float = 0.05
     min_batch: int = 8
-    max_batch: int | None = None  # None: the global batch
+    max_batch: int | tuple[int, ...] | str | None = None  # one, one per worker, "auto" (CUDA probe); None: none
+    batch_multiple: int = 1  # adaptive batches in multiples of this (fewer shapes: fewer torch.compile recompiles)
     control_interval: int = 15
     accumulation_steps: int = 1  # micro-batches per optimizer step on every worker (gradient accumulation)
     out: str | None = None  # run directory (CLI default: runs/<timestamp>; API default: none written)
@@ -72,12 +80,14 @@ class BalanceConfig:
                                                       "quiet"})
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "max_batch", parse_max_batch(self.max_batch))
         _check_types(self)
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"--workers {self.workers} must be positive")
         if self.speeds is None and self.workers is not None:
             object.__setattr__(self, "speeds", ",".join(["1"] * self.workers))
-        check_positive(self, "global_batch", "control_interval", "timeout_s", "heartbeat_s", "accumulation_steps")
+        check_positive(self, "global_batch", "control_interval", "timeout_s", "heartbeat_s", "accumulation_steps",
+                       "batch_multiple")
         if self.min_batch < self.accumulation_steps:
             raise ConfigError(f"--min-batch {self.min_batch} is below --accumulation-steps {self.accumulation_steps}: "
                               f"each worker's batch is split into {self.accumulation_steps} micro-batches and none may "
@@ -95,8 +105,9 @@ class BalanceConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
         if self.workers is not None:
+            check_caps(self.max_batch, self.workers, self.min_batch)
             try:
-                check_feasible(self.global_batch, self.workers, self.min_batch, self.upper_batch)
+                check_feasible(self.global_batch, self.workers, self.min_batch, self.batch_caps or self.global_batch)
                 parse_speeds(self.speeds, self.workers, self.levels)
             except (InfeasibleBounds, SpeedError) as e:
                 raise ConfigError(str(e)) from None
@@ -116,7 +127,14 @@ class BalanceConfig:
 
     @property
     def upper_batch(self) -> int:
-        return self.global_batch if self.max_batch is None else self.max_batch
+        """The largest batch any worker may get (per-worker caps: the largest of them)."""
+        caps = self.batch_caps
+        return self.global_batch if caps is None else max(caps) if isinstance(caps, tuple) else caps
+
+    @property
+    def batch_caps(self) -> int | tuple[int, ...] | None:
+        """``max_batch`` as the planner takes it (:class:`~omnilearn.balance.allocation.Bounds`): "auto" is None."""
+        return None if self.max_batch == AUTO else self.max_batch
 
     @property
     def levels(self) -> dict[str, tuple[float, ...]]:
@@ -133,8 +151,50 @@ class BalanceConfig:
         return dataclasses.asdict(self)
 
 
+AUTO = "auto"  # max_batch: each rank probes its memory (CUDA)
+
+
+def parse_max_batch(value: Any) -> int | tuple[int, ...] | str | None:
+    """``max_batch`` in any accepted form (int, "256", "256,64,64,64", a list, "auto") as int, tuple, "auto" or None."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    said = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else repr(value)
+    parts: Any = value
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            return AUTO
+        parts = value.split(",")
+        try:
+            parts = [int(p.strip()) for p in parts]
+        except ValueError:
+            parts = None
+    if not isinstance(parts, (list, tuple)) or not parts or not all(
+            isinstance(c, int) and not isinstance(c, bool) for c in parts):
+        raise ConfigError(f"--max-batch {said} must be one number, one per worker separated by commas "
+                          f"(e.g. 256,64,64,64) or auto")
+    if any(c < 1 for c in parts):
+        raise ConfigError(f"--max-batch {said} must be positive")
+    return parts[0] if isinstance(value, str) and len(parts) == 1 else tuple(parts)
+
+
+def check_caps(max_batch: int | tuple[int, ...] | str | None, workers: int, min_batch: int) -> None:
+    """Per-worker caps: one per worker, none below ``min_batch`` (their sum is checked with the global batch)."""
+    if not isinstance(max_batch, tuple):
+        return
+    said = ",".join(map(str, max_batch))
+    if len(max_batch) != workers:
+        raise ConfigError(f"--max-batch {said} gives {len(max_batch)} caps for {workers} workers; give one number "
+                          f"or one per worker")
+    low = [i for i, c in enumerate(max_batch) if c < min_batch]
+    if low:
+        raise ConfigError(f"--max-batch {said}: worker {low[0]}'s cap {max_batch[low[0]]} is below --min-batch "
+                          f"{min_batch}; raise it or lower --min-batch")
+
+
 def _check_types(cfg: BalanceConfig) -> None:
     for f in fields(cfg):
+        if f.name == "max_batch":  # parse_max_batch checked it
+            continue
         value = getattr(cfg, f.name)
         kinds = _kinds(f)
         if value is None and "None" in str(f.type):

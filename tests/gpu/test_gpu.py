@@ -9,6 +9,11 @@
   equals one process without OmniLearn.
 - Two GPUs (NCCL, heterogeneous emulated speeds, accumulation): every rank
   ends with the same weights, equal to one process training alone.
+- Memory (:mod:`omnilearn.bsp.memory`): ``max_batch="auto"`` measures the
+  first step and caps the rank (more than that step's batch on a big GPU);
+  a real CUDA out-of-memory error in the forward (an impossible allocation
+  above 16 samples) halves the cap and redoes the step: the weights equal a
+  run without it, and the allocator's memory is given back.
 
 Run: ``python -m pytest -q tests/gpu`` (on a CUDA machine).
 """
@@ -150,3 +155,38 @@ def test_checkpoint_on_nccl_resumes_the_same_weights(tmp_path):
         assert close({k: v.detach().cpu() for k, v in ol.module.state_dict().items()}, saved) == 0
     finally:
         dist.destroy_process_group()
+
+
+def _memory_run(fn_cap: int | None, **settings) -> tuple[dict, omnilearn.Session]:
+    ol = omnilearn.setup(global_batch=64, control_interval=4, device="cuda", **settings)
+    model = ol.wrap_model(token_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss(batch):
+        x, y = (t.to(ol.device, non_blocking=True) for t in batch)
+        if fn_cap is not None and len(x) > fn_cap:
+            torch.empty(1 << 50, dtype=torch.uint8, device=ol.device)  # a real CUDA out-of-memory error
+        return token_loss(model, x, y)
+
+    for batch in ol.data_loader(TokenData(512, 16, 32)):
+        opt.zero_grad()
+        ol.run_step(loss, batch)
+        opt.step()
+        ol.step()
+    ol.finish()
+    return {k: v.detach().cpu() for k, v in ol.module.state_dict().items()}, ol
+
+
+def test_auto_cap_probes_the_first_step():
+    _, ol = _memory_run(None, max_batch="auto")
+    assert ol.max_batch is not None and ol.max_batch > 64  # a tiny model on a big GPU
+    assert ol.memory.reported() == ol.max_batch and ol.probe is None
+
+
+def test_a_real_cuda_out_of_memory_error_is_recovered(capsys):
+    expected, _ = _memory_run(None)
+    got, ol = _memory_run(16)
+    assert ol.max_batch == 16 and ol.micro.sizes == (16,) * 4
+    assert close(got, expected) < 1e-5
+    assert "out of memory in the forward of a micro-batch of 32 samples; cap 32 -> 16" in capsys.readouterr().err
+    assert torch.cuda.memory_reserved() < 1 << 30

@@ -109,6 +109,7 @@ class FixedController:
 
     name: str
     batches: list[int]
+    bounds: Bounds | None = None  # for the loop's caps: a plan above a worker's cap is re-planned within it
 
     def initial(self) -> list[int]:
         return list(self.batches)
@@ -221,9 +222,9 @@ def make_controller(name: str, bounds: Bounds, speeds: Sequence[float], multiple
     The deadband is the ControlLoop's: ``ControlLoop(controller, deadband=...)``.
     """
     if name == "uniform":
-        return FixedController("uniform", uniform_split(bounds))
+        return FixedController("uniform", uniform_split(bounds), bounds)
     if name == "static":
-        return FixedController("static", proportional_split(speeds, bounds))
+        return FixedController("static", proportional_split(speeds, bounds), bounds)
     if name == "omnilearn":
         return ProportionalController(bounds, multiple=multiple)
     if name == "model":

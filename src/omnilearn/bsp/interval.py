@@ -16,7 +16,7 @@ At a control interval the row carries this rank's
 planned batch), so the same all-gather (``n x 10`` numbers, whatever the
 interval's length) feeds the :class:`~omnilearn.balance.loop.ControlLoop` on
 every rank and all reach the same decision. Between interval ends, every
-``check_every`` steps :func:`check_window` gathers the same row for the
+:func:`check_every` steps (a third of the interval) :func:`check_window` gathers the same row for the
 steps since the last check: if the loop sees a clear speed shift in it
 (:meth:`~omnilearn.balance.loop.ControlLoop.shifted`), it decides there and
 then instead of waiting for the interval's end. A change lands at the loop's
@@ -94,6 +94,11 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
         raise RuntimeError(f"ranks are out of step: {said}. Call step(), sync_buffers() and finish() on every rank "
                            "at the same points of the loop")
     return table
+
+
+def check_every(interval: int) -> int:
+    """Steps between mid-interval checks for a speed shift: a third of the interval (0: none below 6 steps)."""
+    return interval // 3 if interval >= 6 else 0
 
 
 def summarise(loop: ControlLoop, rank: int, rows: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], float]:

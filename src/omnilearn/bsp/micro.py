@@ -21,6 +21,12 @@ The counts stay on the device (no host sync). Use it on every rank at the
 same steps (the all-reduce is a collective); a micro-batch with count 0
 must still have a finite loss.
 
+A worker whose share is above its memory cap (:mod:`omnilearn.bsp.memory`)
+runs the step as more micro-batches than ``k``: :meth:`MicroSteps.split`
+sets this step's sizes (also to redo a step after an out-of-memory error).
+The weighting above holds for any sizes, and ranks may run different
+numbers of micro-batches in one step: each syncs once, on its last.
+
 DDP decides at *forward* time whether the next backward syncs, so the
 session sets ``require_backward_grad_sync`` before each micro-batch's
 forward: off after a step starts (k > 1), on once ``k - 1`` backwards are
@@ -55,13 +61,29 @@ class MicroSteps:
         self.begin(global_batch)
 
     def begin(self, batch: int) -> None:
-        """A step with this worker's share ``batch`` starts."""
-        self.batch, self.sizes, self.done = batch, micro_sizes(batch, self.steps), 0
+        """A step with this worker's share ``batch`` starts (as the loader's ``accumulation_steps`` micro-batches)."""
+        self.batch, self.planned = batch, micro_sizes(batch, self.steps)
+        self.split(self.planned)
+
+    def split(self, sizes: tuple[int, ...]) -> None:
+        """Run the open step as micro-batches of ``sizes`` (summing to the share); resets what was done of it."""
+        if sum(sizes) != self.batch or min(sizes) < 1:
+            raise ValueError(f"micro-batches of {list(sizes)} samples do not make this step's share of {self.batch}")
+        self.sizes, self.done = tuple(sizes), 0
         self.counts: list[torch.Tensor] | None = None
         self.base: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
-        self.hook.weight = batch / self.global_batch
-        self._sync_next_forward(self.steps == 1)
+        self.hook.weight = self.batch / self.global_batch
+        self._sync_next_forward(len(self.sizes) == 1)
+
+    def syncing(self) -> bool:
+        """Whether the next (or current) backward all-reduces the gradients (DDP, the step's last micro-batch)."""
+        return isinstance(self.model, DDP) and bool(self.model.require_backward_grad_sync)
+
+    def _calls(self) -> str:
+        k = len(self.sizes)
+        return (f"accumulation_steps={k}" if self.sizes == self.planned else
+                f"this step runs as {k} micro-batches (its share is above this worker's memory cap)")
 
     def _sync_next_forward(self, sync: bool) -> None:
         if isinstance(self.model, DDP):
@@ -69,9 +91,9 @@ class MicroSteps:
 
     def backward(self, loss: torch.Tensor, count: int | float | torch.Tensor | None = None) -> None:
         """Back-propagate micro-batch ``done``'s mean ``loss`` with its weight (see the module docstring)."""
-        j, k = self.done, self.steps
+        j, k = self.done, len(self.sizes)
         if j >= k:
-            raise RuntimeError(f"ol.backward() called {j + 1} times in one step, but accumulation_steps={k}: one "
+            raise RuntimeError(f"ol.backward() called {j + 1} times in one step, but {self._calls()}: one "
                                f"call per micro-batch, then optimizer.step() and ol.step()")
         last = j == k - 1
         if count is None and self.counts is None:
@@ -94,7 +116,7 @@ class MicroSteps:
             raise RuntimeError("ol.backward(loss, count=...): give count for every micro-batch of a step or for none")
         n = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach().reshape(())
         if self.counts is None:
-            self.counts, self.base = [], self.steps * torch.clamp(n, min=1.0)
+            self.counts, self.base = [], len(self.sizes) * torch.clamp(n, min=1.0)
         self.counts.append(n)
         if last:
             total = self.sum_counts(torch.stack(self.counts).sum().reshape(1))
@@ -111,11 +133,11 @@ class MicroSteps:
 
     def finish(self) -> torch.Tensor | None:
         """The step ends: check every micro-batch was back-propagated; the step's weighted loss (or None)."""
-        k = self.steps
+        k = len(self.sizes)
         if self.done != k and (k > 1 or self.counts is not None):
-            raise RuntimeError(f"ol.step() after {self.done} of {k} ol.backward() calls: with accumulation_steps={k} "
-                               f"call ol.backward(loss) once for each micro-batch the loader hands out (this step's "
-                               f"gradients were not combined across workers as they should be)")
+            raise RuntimeError(f"ol.step() after {self.done} of {k} ol.backward() calls: {self._calls()}; call "
+                               f"ol.backward(loss) once for each micro-batch (this step's gradients were not "
+                               f"combined across workers as they should be)")
         if self.done == 0:
             return None
         return self.loss / torch.stack(self.counts).sum().to(self.loss.dtype) if self.counts is not None else self.loss

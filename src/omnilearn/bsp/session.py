@@ -33,6 +33,23 @@ Token losses with padding: ``ol.backward(loss, count=n_tokens)`` weights by
 terms instead of samples (:mod:`omnilearn.bsp.micro`). ``model.no_sync()``
 is refused (:mod:`omnilearn.bsp.wrap`).
 
+Memory (``max_batch``: one cap, one per worker, or ``"auto"`` on CUDA;
+:mod:`omnilearn.bsp.memory`, docs/memory.md): ``ol.run_step(fn, batch)``
+does a step's forward and backward within this rank's cap, whatever
+``accumulation_steps``: ``fn(micro_batch)`` returns the mean loss (or
+``(loss, count)``); a share above the cap runs as micro-batches, weighted
+exactly; an out-of-memory error lowers the cap, clears the gradients and
+redoes the step, and the next control interval re-plans within the cap::
+
+        for batch in loader:                      # a batch, or the list of K micro-batches
+            opt.zero_grad()
+            ol.run_step(lambda b: loss_fn(model(b[0].to(ol.device)), b[1].to(ol.device)), batch)
+            opt.step()
+            ol.step()
+
+Without recovery, ``for x, y in ol.micro_batches(batch): ol.backward(...)``
+splits the same way. ``ol.max_batch`` is this rank's cap now.
+
 Run it with ``torchrun --nproc-per-node N script.py`` or as one process.
 ``wrap_model`` seeds each rank's random streams with ``(seed, rank)``
 afterwards (dropout and augmentation differ per rank; :mod:`omnilearn.bsp.rng`).
@@ -54,6 +71,7 @@ Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -66,13 +84,14 @@ from omnilearn.balance.allocation import Bounds
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.bsp import checkpointing
-from omnilearn.bsp.interval import SYNC_BUFFERS, check_same_settings, end_window, meet
+from omnilearn.bsp.interval import SYNC_BUFFERS, check_every, check_same_settings, check_window, end_window, meet
 from omnilearn.bsp.emulate import Emulation
+from omnilearn.bsp import memory
 from omnilearn.bsp.micro import MicroSteps
 from omnilearn.bsp.rng import rank_seed, seed_rank
 from omnilearn.bsp.steps import ROW_FIELDS, StepLedger
 from omnilearn.bsp.wrap import wrap
-from omnilearn.config import BalanceConfig, ConfigError
+from omnilearn.config import AUTO, BalanceConfig, ConfigError
 from omnilearn.data.loader import BalancedLoader, keep_batch
 from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
 from omnilearn.distributed import group
@@ -101,14 +120,19 @@ class Session:
         self.emulation = Emulation(cfg, ctx, self.timer)
         self.emulator = self.emulation.delay
         self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced)
-        bounds = Bounds(cfg.global_batch, ctx.world_size, cfg.min_batch, cfg.max_batch)
-        controller = make_controller(cfg.controller, bounds, initial_speeds(cfg, total_steps))
+        bounds = Bounds(cfg.global_batch, ctx.world_size, cfg.min_batch, cfg.batch_caps)
+        controller = make_controller(cfg.controller, bounds, initial_speeds(cfg, total_steps), cfg.batch_multiple)
         self.loop = ControlLoop(controller, deadband=cfg.deadband, total_steps=total_steps)
         self.schedule = BatchSchedule(self.loop.batches)
         self.sampler = VariableBatchSampler(None, self.schedule, ctx.rank, total_steps, cfg.accumulation_steps)
         self.ledger = StepLedger(self.timer, self._start_step)
         self.micro = MicroSteps(cfg.accumulation_steps, cfg.global_batch, self.hook, self._sum_counts,
                                 lambda: self.emulator.before_sync())
+        self.memory = memory.MemoryCap(memory.rank_cap(cfg.max_batch, ctx.rank), cfg.accumulation_steps)
+        auto = cfg.max_batch == AUTO and ctx.device.type == "cuda"
+        self.probe = memory.CudaProbe(ctx.device) if auto else None  # the first step measures the memory
+        self.caps_seen: list[int] | None = None  # rank 0: the caps the loop held at the last interval end
+        self.check_every = check_every(cfg.control_interval)  # steps between looks for a speed shift (0: none)
         self.steps_done = self.next_step = 0
         self.model: nn.Module | None = None
         self.loader: BalancedLoader | None = None
@@ -160,6 +184,9 @@ class Session:
         if self.model is not None:
             raise RuntimeError("wrap_model() was already called: one model per session")
         self.model = self.micro.model = wrap(model, self.device, self.ctx.grouped, self.hook, **ddp_kwargs)
+        emulated = memory.fault_oom_samples(self.rank)
+        if emulated is not None:
+            memory.emulate_oom(self.model, emulated)
         if not self.rng_restored:
             seed_rank(self.cfg.seed, self.rank)
         return self.model
@@ -196,6 +223,8 @@ class Session:
         if self.emulation.at_step(speeds) and self.telemetry is not None:
             self.telemetry.speeds(step, speeds)
         self.micro.begin(self.schedule.at(step)[self.rank])
+        if self.probe is not None:
+            self.probe.begin()
 
     def _local_grads_ready(self) -> None:
         """The hook's ready callback: this step's local compute is done; a slower machine is emulated here."""
@@ -210,6 +239,51 @@ class Session:
         if self.ledger.open is None:
             raise RuntimeError("backward() without a batch: call it for a batch the loader handed out")
         self.micro.backward(loss, count)
+
+    @property
+    def max_batch(self) -> int | None:
+        """This rank's memory cap now: the most samples of one forward/backward (None: none)."""
+        return self.memory.cap
+
+    def micro_batches(self, batch) -> list:
+        """The open step's micro-batches within this rank's cap: ``batch`` (or the loader's K micro-batches) cut
+        further where a part is above the cap. Call ``ol.backward`` once for each, before any other."""
+        if self.ledger.open is None or self.micro.done:
+            raise RuntimeError("micro_batches() needs a batch the loader handed out, before its first backward()")
+        return self._split(batch)
+
+    def _split(self, batch) -> list:
+        parts = list(batch) if self.cfg.accumulation_steps > 1 else [batch]
+        cap, planned = self.memory.cap, self.micro.planned
+        if cap is None or max(planned) <= cap:
+            self.micro.split(planned)
+            return parts
+        out = [p for part, m in zip(parts, planned) for p in memory.split_batch(part, memory.split_sizes([m], cap))]
+        self.micro.split(memory.split_sizes(planned, cap))
+        return out
+
+    def run_step(self, fn, batch) -> None:
+        """Forward and backward of the open step within this rank's memory cap (see the module docstring).
+
+        ``fn(micro_batch)`` returns the micro-batch's mean loss, or ``(loss, count)``
+        (:meth:`backward`). Gradients must be zero or None when it starts
+        (``optimizer.zero_grad()``); on ``torch.OutOfMemoryError`` the cap is
+        halved, the gradients are cleared and the step is redone, so the update
+        is the one the step would have made.
+        """
+        if self.ledger.open is None or self.model is None:
+            raise RuntimeError("run_step() needs the wrapped model and a batch the loader handed out")
+        params = list(self.model.parameters())
+        had_grad = [p.grad is not None for p in params]
+        while True:
+            failure = memory.attempt(self.micro, fn, self._split(batch))
+            if failure is None:
+                return
+            memory.clear_grads(params, had_grad)
+            memory.reset_reducer(self.model, failure)
+            memory.free_memory(self.device)
+            said = self.memory.after(failure, f"rank {self.rank}, step {self.ledger.open}")  # or raises
+            print(f"omnilearn: {said}", file=sys.stderr, flush=True)
 
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None) -> None:
         """Report the end of this rank's step (after ``optimizer.step()``); ``loss`` and ``lr`` are logged.
@@ -226,20 +300,52 @@ class Session:
         step = self.ledger.report(batch, float("nan") if logged is None else logged, float("nan") if lr is None else lr)
         self.sampler.complete(step)
         self.steps_done, self.next_step = self.steps_done + 1, step + 1
-        if self.ledger.window_size() == self.cfg.control_interval or step + 1 == self.run.total_steps:
+        size = self.ledger.window_size()
+        if size == self.cfg.control_interval or step + 1 == self.run.total_steps:
             self._end_interval(step)
+        elif self.check_every and size % self.check_every == 0:
+            self._check(step)
+        if self.probe is not None:
+            self.memory.learn(self.probe.end(max(self.micro.sizes)))
+            self.probe = None
         self.clock.step_ended()
         self.ledger.start_next()
 
     def _end_interval(self, step: int) -> None:
         rows = self.ledger.take_rows()
-        decision, stop = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows, stop_requested())
+        decision, stop = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows, stop_requested(),
+                                    cap=self.memory.reported())
         self.should_stop = self.should_stop or stop
+        self._close_window(step, decision, rows)
+
+    def _check(self, step: int) -> None:
+        """A look at the steps since the last check: the loop decides now if some worker's speed clearly shifted."""
+        rows = self.ledger.rows()[-self.check_every:]
+        decision = check_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows,
+                                cap=self.memory.reported())
+        if decision is not None:  # recorded: the window ends here
+            self._close_window(step, decision, self.ledger.take_rows())
+
+    def _close_window(self, step: int, decision, rows: list[list[float]]) -> None:
+        """After a decision: caps seen, the window's rows to rank 0, buffers averaged, telemetry."""
+        self._record_caps(step)
         table = gather_to_main(self.ctx, rows, len(ROW_FIELDS))
         self._average_buffers()
         if self.telemetry is not None:
             effective = decision.effective_step
             self.telemetry.interval(table, decision, step + 1 + self.run.lag if effective is None else effective)
+
+    def _record_caps(self, step: int) -> None:
+        """Rank 0: a ``memory_cap`` event for each worker whose reported cap changed at this interval end."""
+        caps = getattr(self.loop, "caps", None)
+        if self.telemetry is None or caps is None:
+            return
+        now = [int(c) if c < 2**62 else 0 for c in caps.reported]
+        for rank, cap in enumerate(now):
+            if cap != (self.caps_seen[rank] if self.caps_seen else 0):
+                self.telemetry.events.write("memory_cap", step=step, rank=rank, cap=cap or None)
+                self.telemetry.console.info(f"rank {rank}'s batch cap is now {cap or 'none'} (memory)")
+        self.caps_seen = now
 
     def sync_buffers(self) -> None:
         """Make buffers (BatchNorm statistics) equal everywhere: their batch-share-weighted average.
@@ -302,6 +408,11 @@ class Session:
         (:func:`omnilearn.bsp.checkpointing.load_session_state`).
         """
         checkpointing.load_session_state(self, state)
+        caps = getattr(self.loop, "caps", None)
+        if caps is not None and self.resumed_from is not None and self.resumed_from[1] == self.world_size:
+            cap = int(caps.reported[self.rank])  # this rank's learned cap, as the planner held it
+            if cap < 2**62:
+                self.memory.restore(cap)
 
     def restore_telemetry(self) -> None:
         """Hand a loaded checkpoint's record counters to the Telemetry once both exist (rank 0)."""

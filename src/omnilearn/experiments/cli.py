@@ -84,7 +84,10 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--deadband", type=float, help="change batches only if the predicted step time improves by more than this "
         "fraction (default 0.05) and by more than the measurement noise")
     add("--min-batch", type=int, help=f"smallest per-worker batch (default {d['min_batch'].default})")
-    add("--max-batch", type=int, help="largest per-worker batch (default: the global batch)")
+    add("--max-batch", help="largest per-worker batch: one number, one per worker (256,64,64,64), or auto "
+        "(CUDA: from a probe of free memory); default: the global batch")
+    add("--batch-multiple", type=int, help="keep adaptive batches in multiples of this (fewer torch.compile "
+        "recompiles; default 1)")
     add("--accumulation-steps", type=int, help="micro-batches per optimizer step on every worker (default 1); "
         "the global batch is per optimizer step")
     add("--control-interval", type=int, help=f"steps between controller decisions (default {d['control_interval'].default})")

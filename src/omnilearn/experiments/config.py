@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Mapping
 
 from omnilearn.asp.rules import LR_SCALINGS
-from omnilearn.config import DEVICES, EMULATORS, BalanceConfig, ConfigError, check_positive, dump_toml
+from omnilearn.config import AUTO, DEVICES, EMULATORS, BalanceConfig, ConfigError, check_positive, dump_toml
 from omnilearn.emulation.speeds import ASP_LEVELS, BSP_LEVELS
 from omnilearn.experiments.datasets.core import DATASETS
 from omnilearn.experiments.zoo.models import LANGUAGE_MODELS, MODELS, is_language_model
@@ -128,6 +128,13 @@ class TrainConfig(BalanceConfig):
                               "is one batch: drop it")
         if self.max_time_s is not None and self.max_time_s <= 0:
             raise ConfigError(f"--max-time-s {self.max_time_s:g} must be positive")
+        if self.max_batch == AUTO:
+            raise ConfigError("--max-batch auto (a CUDA memory probe per rank) is for --mode bsp; give a number in asp")
+        if isinstance(self.max_batch, tuple):  # the server plans with one cap for every live worker
+            if len(set(self.max_batch)) > 1:
+                raise ConfigError(f"--mode asp keeps one cap for every worker; --max-batch "
+                                  f"{','.join(map(str, self.max_batch))} differs per worker: give one number")
+            object.__setattr__(self, "max_batch", self.max_batch[0])
 
     @property
     def milestone_epochs(self) -> tuple[int, ...]:

@@ -3,8 +3,10 @@
 Per rank: load the workload (``workload.py``), open a :class:`Session`, and
 run the loop any user of the API would write — the session's loader serves
 this rank's slice of each global batch (as ``accumulation_steps``
-micro-batches when that is above 1), ``backward()`` weights each
-micro-batch, ``step()`` ends the optimizer step and feeds the controller.
+micro-batches when that is above 1), ``run_step()`` runs each micro-batch's
+forward and weighted backward within this rank's memory cap (an
+out-of-memory error lowers the cap and redoes the step: docs/memory.md),
+``step()`` ends the optimizer step and feeds the controller.
 One evaluation over the test split per epoch.
 
 Checkpoints (``RUN_DIR/checkpoints``, the newest ``--keep-checkpoints``):
@@ -19,6 +21,8 @@ Fault injection for tests: ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` makes
 that rank SIGKILL itself when it reaches ``step`` in a run that is not a
 resume (so a restarted run goes past it); with ``OMNILEARN_FAULT_STAMP=<file>``
 it first writes the time into that file (:mod:`omnilearn.experiments.faultbench`).
+``OMNILEARN_FAULT_OOM=<rank>:<samples>`` emulates a memory cap on that rank
+(:mod:`omnilearn.bsp.memory`): the run goes on at a lower cap.
 
 Run: ``python -m pytest -q tests/dist/test_bsp.py``
 """
@@ -29,6 +33,8 @@ import os
 import signal
 import time
 from pathlib import Path
+
+import torch
 
 from omnilearn.bsp.session import Session
 from omnilearn.stopping import Stopped, reason
@@ -76,7 +82,7 @@ class BSPTrainer:
             for epoch in range(self.session.epoch, self.run.epochs):
                 self.loader.set_epoch(epoch)
                 for batch in self.loader:
-                    self._step(batch if self.cfg.accumulation_steps > 1 else [batch])
+                    self._step(batch)
                     self._maybe_checkpoint()
                 with self.session.paused():
                     self.session.sync_buffers()
@@ -86,15 +92,18 @@ class BSPTrainer:
         finally:
             self.session.release()
 
-    def _step(self, micro_batches: list) -> None:
+    def _step(self, batch) -> None:
         self.opt.zero_grad(set_to_none=True)
-        for x, y in micro_batches:
-            x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
-            self.session.backward(workload.criterion(self.model(x), y))
+        self.session.run_step(self._loss, batch)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.lr_sched.step()
         self.session.step(lr=lr)
+
+    def _loss(self, micro_batch) -> torch.Tensor:
+        x, y = micro_batch
+        x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+        return workload.criterion(self.model(x), y)
 
     def _maybe_checkpoint(self) -> None:
         if self.kill_at is not None and self.session.next_step >= self.kill_at:

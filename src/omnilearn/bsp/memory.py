@@ -1,0 +1,272 @@
+"""A worker's memory: its batch cap, micro-batches within it, out-of-memory recovery, the CUDA probe.
+
+Each rank has a *cap*: the most samples it runs in one forward/backward.
+It starts at the configured ``max_batch`` (one number, or this rank's entry
+of a per-worker list) and only goes down: after an out-of-memory error (half
+the micro-batch that failed), or on CUDA with ``max_batch="auto"`` from a
+probe of the first step (:class:`CudaProbe`). The session reports the
+learned cap (times ``accumulation_steps``: a share of ``K x cap`` still fits
+in ``K`` micro-batches) at every control-interval end; the
+:class:`~omnilearn.balance.loop.ControlLoop` then plans within it, effective
+a few steps later. Until then a planned share above the cap runs as more
+micro-batches: :func:`split_sizes` cuts each of the loader's micro-batches
+into as few nearly equal parts of at most ``cap`` as it takes, and
+:func:`split_batch` cuts the collated tensors along their first dimension;
+:class:`~omnilearn.bsp.micro.MicroSteps` weights part ``j`` by ``m_j / b_i``
+as always, so the update is the same whatever the split.
+
+:func:`attempt` runs a step's micro-batches through the user's function and
+``ol.backward`` and turns ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``
+is the same class) into a :class:`Failure`, after which the frames holding
+the failed attempt's activations are gone; the session then clears the
+gradients, empties the CUDA cache, lowers the cap and redoes the step
+(:meth:`~omnilearn.bsp.session.Session.run_step`). An error in a forward, or
+in a backward that does not sync (not the step's last micro-batch), is
+recoverable: no gradient left the rank. One in the *syncing* backward under
+DDP is not (some gradient buckets may be in flight while the peers wait in
+their all-reduce): the session raises a clear error naming the cap to set.
+
+Tests emulate a cap on CPU: ``OMNILEARN_FAULT_OOM=<rank>:<samples>[,<rank>:<samples>...]``
+makes every training forward (gradients on) of that rank's wrapped model
+with more than ``samples`` samples raise ``torch.OutOfMemoryError`` before it
+starts (:func:`emulate_oom`, a forward pre-hook), so it is always recoverable.
+
+Run: ``python -m pytest -q tests/unit/test_memory.py tests/dist/test_oom.py``
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from omnilearn.bsp.micro import MicroSteps
+from omnilearn.data.plan import micro_sizes
+
+FAULT_OOM_ENV = "OMNILEARN_FAULT_OOM"
+PROBE_MARGIN = 0.15  # of the device memory the CUDA probe leaves free (allocator fragmentation, other tenants)
+
+
+def rank_cap(max_batch: int | tuple[int, ...] | str | None, rank: int) -> int | None:
+    """This rank's configured cap: one for all, its entry of a per-worker tuple, or None (none, or "auto")."""
+    if isinstance(max_batch, tuple):
+        return max_batch[rank]
+    return max_batch if isinstance(max_batch, int) else None
+
+
+def split_sizes(sizes: Sequence[int], cap: int | None) -> tuple[int, ...]:
+    """Each micro-batch size cut into as few nearly equal parts of at most ``cap`` as it takes, in order."""
+    out: list[int] = []
+    for m in sizes:
+        out.extend(micro_sizes(m, 1 if cap is None or m <= cap else -(-m // cap)))
+    return tuple(out)
+
+
+def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
+    """Cut a collated batch of ``sum(sizes)`` samples into consecutive parts of ``sizes`` along dimension 0.
+
+    Tensors whose first dimension is the batch are sliced (views, no copy);
+    tuples, lists and dicts are cut element-wise; anything else is shared by
+    every part. A batch with no such tensor cannot be cut: ``ValueError``.
+    """
+    if len(sizes) == 1:
+        return [batch]
+    total, found = sum(sizes), [False]
+
+    def cut(obj: Any, start: int, stop: int) -> Any:
+        if torch.is_tensor(obj) and obj.dim() > 0 and obj.shape[0] == total:
+            found[0] = True
+            return obj[start:stop]
+        if isinstance(obj, dict):
+            return type(obj)((k, cut(v, start, stop)) for k, v in obj.items())
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+            return type(obj)(*(cut(v, start, stop) for v in obj))
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(cut(v, start, stop) for v in obj)
+        return obj
+
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(cut(batch, start, start + size))
+        start += size
+    if not found[0]:
+        raise ValueError(f"cannot cut this batch into micro-batches of {list(sizes)} samples: it holds no tensor of "
+                         f"{total} rows (a worker above its memory cap runs its share as micro-batches)")
+    return parts
+
+
+def lowered_cap(failed: int) -> int:
+    """The cap after a micro-batch of ``failed`` samples ran out of memory: half of it."""
+    if failed <= 1:
+        raise ValueError("a single sample does not fit in memory")
+    return failed // 2
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An out-of-memory error in a step: the micro-batch's size, where, and whether that backward syncs."""
+
+    size: int
+    phase: str  # "forward" (the user's function) or "backward"
+    syncing: bool  # DDP was to all-reduce in this backward
+    message: str
+
+
+def attempt(micro: MicroSteps, fn: Callable[[Any], Any], parts: Sequence[Any]) -> Failure | None:
+    """Forward (``fn(part)`` returns the mean loss, or ``(loss, count)``) and weighted backward of each part.
+
+    None when the step's every part went through; a :class:`Failure` (and no
+    reference to the failed attempt's tensors) on ``torch.OutOfMemoryError``.
+    """
+    for size, part in zip(micro.sizes, parts):
+        phase = "forward"
+        try:
+            out = fn(part)
+            loss, count = out if isinstance(out, tuple) else (out, None)
+            phase = "backward"
+            micro.backward(loss, count)
+        except torch.OutOfMemoryError as e:
+            return Failure(size, phase, micro.syncing(), str(e).strip().splitlines()[0][:300] if str(e) else "")
+        del out, loss
+    return None
+
+
+class MemoryCap:
+    """This rank's cap on the samples of one forward/backward: configured, then learned (see the module docstring)."""
+
+    def __init__(self, configured: int | None, accumulation_steps: int = 1) -> None:
+        self.configured, self.accumulation_steps = configured, accumulation_steps
+        self.limit: int | None = None  # learned: out of memory, or the CUDA probe
+
+    @property
+    def cap(self) -> int | None:
+        """The most samples one micro-batch may have (None: no cap)."""
+        caps = [c for c in (self.configured, self.limit) if c is not None]
+        return min(caps) if caps else None
+
+    def reported(self) -> int | None:
+        """The largest share the planner should give this rank beyond the configured caps (None: no more cap)."""
+        return None if self.limit is None else self.limit * self.accumulation_steps
+
+    def learn(self, cap: int) -> None:
+        self.limit = cap if self.limit is None else min(self.limit, cap)
+
+    def lower(self, failed: int) -> tuple[int | None, int]:
+        """A micro-batch of ``failed`` samples ran out of memory: (the cap before, the cap now)."""
+        old = self.cap
+        self.learn(lowered_cap(failed))
+        return old, self.cap
+
+    def after(self, failure: Failure, where: str) -> str:
+        """Lower the cap after ``failure`` and say so (one line), or raise when the step cannot be redone."""
+        size = failure.size
+        if size <= 1 or (failure.syncing and failure.phase == "backward"):
+            why = ("one sample does not fit" if size <= 1 else "it ran out of memory in the backward that "
+                   "all-reduces the gradients, so the peers may hold part of them and the step cannot be redone")
+            raise RuntimeError(f"{where}: out of memory on a micro-batch of {size} samples ({failure.message}); {why}. "
+                               f"Cap this worker below {size} (max_batch, one number or one per worker), or use "
+                               f"accumulation_steps")
+        old, new = self.lower(size)
+        return (f"{where}: out of memory in the {failure.phase} of a micro-batch of {size} samples; cap "
+                f"{'none' if old is None else old} -> {new}, redoing the step as micro-batches of at most {new}")
+
+    def restore(self, planned_cap: int) -> None:
+        """A checkpoint's cap of this rank as the planner held it (a share: divided by the micro-batches)."""
+        self.learn(max(1, planned_cap // self.accumulation_steps))
+
+
+def clear_grads(params: Sequence[nn.Parameter], had_grad: Sequence[bool]) -> None:
+    """Undo a failed attempt's gradients: zero those that existed before the step, drop the others."""
+    for p, had in zip(params, had_grad):
+        if p.grad is not None:
+            if had:
+                p.grad.detach_().zero_()
+            else:
+                p.grad = None
+
+
+def cap_from_memory(samples: int, base_bytes: int, peak_bytes: int, capacity_bytes: int,
+                    margin: float = PROBE_MARGIN) -> int:
+    """Samples that fit: a step of ``samples`` peaked at ``peak_bytes`` above ``base_bytes`` held before it.
+
+    Memory is taken as linear in the batch (``base + per_sample x b``) and
+    may grow to ``(1 - margin) x capacity_bytes`` (what the allocator holds
+    plus what the device has free). At least 1.
+    """
+    per_sample = max(peak_bytes - base_bytes, 1) / max(samples, 1)
+    return max(1, int(((1.0 - margin) * capacity_bytes - base_bytes) // per_sample))
+
+
+class CudaProbe:
+    """``max_batch="auto"``: measure one step's peak memory on a CUDA device and extrapolate a cap."""
+
+    def __init__(self, device: torch.device, margin: float = PROBE_MARGIN) -> None:
+        self.device, self.margin, self.base = device, margin, 0
+
+    def begin(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+
+    def end(self, samples: int) -> int:
+        """The cap for micro-batches like the largest one (``samples``) of the step since :meth:`begin`."""
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        capacity = free + torch.cuda.memory_reserved(self.device)
+        return cap_from_memory(samples, self.base, peak, capacity, self.margin)
+
+
+def reset_reducer(model: nn.Module, failure: Failure) -> None:
+    """Under DDP, forget a failed attempt's announced backward: after a forward that was to sync, DDP's
+    reducer waits for that backward's gradients, and the redo's non-syncing backwards would all-reduce."""
+    reducer = getattr(model, "reducer", None)
+    if failure.syncing and failure.phase == "forward" and reducer is not None:
+        reducer._reset_state()  # what DDP's own process-group update calls; no public equivalent
+
+
+def free_memory(device: torch.device) -> None:
+    """Give the allocator's unused blocks back after an out-of-memory error (CUDA; nothing elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def fault_oom_samples(rank: int, spec: str | None = None) -> int | None:
+    """The emulated cap ``OMNILEARN_FAULT_OOM`` sets for ``rank`` (None: none)."""
+    spec = os.environ.get(FAULT_OOM_ENV, "") if spec is None else spec
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        target, _, samples = item.partition(":")
+        try:
+            target_rank, cap = int(target), int(samples)
+        except ValueError:
+            raise ValueError(f"{FAULT_OOM_ENV}={spec!r}: expected <rank>:<samples>[,<rank>:<samples>...]") from None
+        if target_rank == rank:
+            return cap
+    return None
+
+
+def emulate_oom(model: nn.Module, samples: int) -> RemovableHandle:
+    """Make a training forward of ``model`` with more than ``samples`` samples raise ``torch.OutOfMemoryError``."""
+
+    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        n = next((t.shape[0] for t in _tensors((args, kwargs)) if t.dim() > 0), None)
+        if n is not None and n > samples:
+            raise torch.OutOfMemoryError(f"emulated out of memory: {n} samples in one forward, above the emulated "
+                                         f"cap of {samples} ({FAULT_OOM_ENV})")
+
+    return model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def _tensors(obj: Any):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
