@@ -581,6 +581,15 @@ def test_accuracy_at_time_is_the_last_evaluation_by_the_budget():
     assert accuracy_at_time(points, 100.0) == 0.4  # not the best one: the last one
     assert accuracy_at_time(points, 0.5) is None
     assert accuracy_at_time([], 1.0) is None
+    assert accuracy_at_time(points, 100.0, last=2) == pytest.approx((0.5 + 0.4) / 2)  # smoothed: the last two
+
+
+def test_accuracy_at_epochs_averages_the_last_evaluations_up_to_e():
+    from omnilearn.experiments.benchstats import accuracy_at_epochs
+    by_epoch = {1: 0.2, 2: 0.5, 3: 0.4, 4: 0.9}
+    assert accuracy_at_epochs(by_epoch, 3) == 0.4
+    assert accuracy_at_epochs(by_epoch, 3, last=3) == pytest.approx((0.2 + 0.5 + 0.4) / 3)
+    assert accuracy_at_epochs(by_epoch, None, last=3) is None and accuracy_at_epochs({}, 2) is None
 
 
 def test_staleness_histogram_hand_computed():

@@ -14,10 +14,11 @@ a parameter server besides the workers, so all ASP arms run in one launch
 arms stop at the budget (``max_time_s``); BSP has no time limit, so its
 ``max_steps`` is estimated from the omnilearn ASP arm's throughput
 (x ``BSP_MARGIN``; ``--steps`` overrides). Two accuracies compare the arms:
-"at budget", the last evaluation (one per epoch of data, and one at the end)
-at or before the budget; "at equal epochs", each arm's evaluation after the
-largest number of whole epochs of data that every arm of the setting reached
-in that repeat (:func:`~omnilearn.experiments.benchstats.epoch_accuracies`),
+"at budget", the mean of the last ``SMOOTH_EVALS`` (3) evaluations (one per
+epoch of data, and one at the end) at or before the budget; "at equal epochs",
+of each arm's last 3 up to the largest number of whole epochs of data that
+every arm of the setting reached in that repeat (a single evaluation moves by
+2-4 points from epoch to epoch: docs/asp.md) (:func:`~omnilearn.experiments.benchstats.epoch_accuracies`),
 so an arm is not credited for getting through more data in the time.
 Repeat k runs every arm with seed ``--seed + k`` (default 3 repeats, ``--quick``
 1); figures are the mean and min–max over repeats. Unless ``--lr-schedule``
@@ -45,7 +46,7 @@ from typing import Callable
 from omnilearn.experiments import launch
 from omnilearn.experiments.bench import Arm
 from omnilearn.experiments.bench import parse_settings as parse_any_setting
-from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table, epoch_accuracies,
+from omnilearn.experiments.benchstats import (SMOOTH_EVALS, accuracy_at_epochs, accuracy_at_time, add_histograms, asp_markdown_table, epoch_accuracies,
                                               equal_epochs, eval_points, spread, staleness_histogram, time_to_accuracy)
 from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
 from omnilearn.observe.metrics import read_metrics
@@ -122,7 +123,7 @@ def measure(arm: Arm, budget_s: float, target: float | None) -> dict:
     points = eval_points(records)
     out = {"setting": arm.setting, "arm": arm.arm, "repeat": arm.repeat, "seed": cfg.seed, "run_dir": str(run_dir),
            "levels": cfg.mode, "train_s": summary["train_s"], "test_accuracy": summary.get("test_accuracy"),
-           "accuracy_at_budget": accuracy_at_time(points, budget_s), "samples_per_s": summary["samples_per_s"],
+           "accuracy_at_budget": accuracy_at_time(points, budget_s, SMOOTH_EVALS), "samples_per_s": summary["samples_per_s"],
            "time_to_accuracy_s": time_to_accuracy([{"wall_s": t, "test_accuracy": a} for t, a in points], target),
            "accuracy_curve": [list(p) for p in points],
            "epoch_accuracy": epoch_accuracies(records)}
@@ -164,7 +165,7 @@ def add_equal_epochs(results: list[dict]) -> None:
         epochs = equal_epochs([r["epoch_accuracy"] for r in rs])
         for r in rs:
             r["equal_epochs"] = epochs
-            r["accuracy_at_equal_epochs"] = None if epochs is None else r["epoch_accuracy"].get(epochs)
+            r["accuracy_at_equal_epochs"] = accuracy_at_epochs(r["epoch_accuracy"], epochs, SMOOTH_EVALS)
 
 
 def merge(results: list[dict], settings: tuple[str, ...], budget_s: float) -> list[dict]:

@@ -177,10 +177,21 @@ def eval_points(records: Iterable[dict]) -> list[tuple[float, float]]:
     return sorted(out, key=lambda p: p[0])
 
 
-def accuracy_at_time(points: Sequence[tuple[float, float]], budget_s: float) -> float | None:
-    """Test accuracy of the last evaluation at or before ``budget_s`` of training; ``None`` if none was."""
-    before = [(t, a) for t, a in points if t <= budget_s]
-    return max(before, key=lambda p: p[0])[1] if before else None
+SMOOTH_EVALS = 3  # ASP accuracies: the mean of this many evaluations (one moves 2-4 points epoch to epoch)
+
+
+def accuracy_at_time(points: Sequence[tuple[float, float]], budget_s: float, last: int = 1) -> float | None:
+    """Mean test accuracy of the ``last`` evaluations at or before ``budget_s`` of training; ``None`` if none was."""
+    before = sorted((t, a) for t, a in points if t <= budget_s)[-last:]
+    return fmean(a for _, a in before) if before else None
+
+
+def accuracy_at_epochs(by_epoch: dict[int, float], epochs: int | None, last: int = 1) -> float | None:
+    """Mean test accuracy after the ``last`` whole-epoch evaluations up to ``epochs`` (``None``: none)."""
+    if epochs is None:
+        return None
+    kept = [by_epoch[e] for e in sorted(by_epoch) if e <= epochs][-last:]
+    return fmean(kept) if kept else None
 
 
 def epoch_accuracies(records: Iterable[dict]) -> dict[int, float]:
@@ -271,8 +282,9 @@ def asp_markdown_table(results: Sequence[dict], budget_s: float, target: float |
             f"{tta_text} | {_fmt(r.get('mean_staleness'), '.2f')} | "
             f"{_fmt(r.get('max_staleness'), 'd')} | {stale} | {rates} |")
     lines.append(f"\nBudget {budget_s:g} s of training per arm (evaluation excluded). Accuracy: mean over repeats "
-                 "(seeds; min–max); at budget: the last evaluation at or before it; at equal epochs: after the "
-                 "largest number of whole epochs of data (@E) that every arm of the setting reached in that repeat. "
+                 f"(seeds; min–max); at budget: the mean of the last {SMOOTH_EVALS} evaluations at or before it; at "
+                 f"equal epochs: of the last {SMOOTH_EVALS} up to the largest number of whole epochs of data (@E) "
+                 "that every arm of the setting reached in that repeat (one evaluation moves 2-4 points). "
                  "asp arms: the ASP HL table, bsp: the BSP table (synchronous: staleness 0, updates/s = steps/s). "
                  "Mean staleness over all pushes is about workers - 1 whatever the balance; per worker and max "
                  "show it.")
