@@ -71,7 +71,6 @@ Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -84,28 +83,28 @@ from omnilearn.balance.allocation import Bounds
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.bsp import checkpointing
-from omnilearn.bsp.interval import SYNC_BUFFERS, check_every, check_same_settings, check_window, end_window, meet
+from omnilearn.bsp.interval import SYNC_BUFFERS, check_every, check_same_settings, meet
+from omnilearn.bsp.steppers import IntervalEnds, MemorySteps
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp import memory
 from omnilearn.bsp.micro import MicroSteps
 from omnilearn.bsp.rng import rank_seed, seed_rank
-from omnilearn.bsp.steps import ROW_FIELDS, StepLedger
+from omnilearn.bsp.steps import StepLedger
 from omnilearn.bsp.wrap import wrap
 from omnilearn.config import AUTO, BalanceConfig, ConfigError
 from omnilearn.data.loader import BalancedLoader, keep_batch
 from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
 from omnilearn.distributed import group
-from omnilearn.distributed.collect import average_buffers, gather_to_main, sum_tensor
+from omnilearn.distributed.collect import average_buffers, sum_tensor
 from omnilearn.distributed.hooks import HookState
 from omnilearn.observe.recorder import Telemetry
 from omnilearn.runplan import RunPlan, initial_speeds, plan_run
-from omnilearn.stopping import stop_requested
 from omnilearn.timing import StepTimer
 from omnilearn.trainclock import TrainClock
 
 
 
-class Session:
+class Session(MemorySteps, IntervalEnds):
     """One rank's view of a balanced run: wraps the model, serves the batches, runs the control loop."""
 
     def __init__(self, cfg: BalanceConfig, ctx: group.DistContext, run_dir: Path | None = None,
@@ -240,51 +239,6 @@ class Session:
             raise RuntimeError("backward() without a batch: call it for a batch the loader handed out")
         self.micro.backward(loss, count)
 
-    @property
-    def max_batch(self) -> int | None:
-        """This rank's memory cap now: the most samples of one forward/backward (None: none)."""
-        return self.memory.cap
-
-    def micro_batches(self, batch) -> list:
-        """The open step's micro-batches within this rank's cap: ``batch`` (or the loader's K micro-batches) cut
-        further where a part is above the cap. Call ``ol.backward`` once for each, before any other."""
-        if self.ledger.open is None or self.micro.done:
-            raise RuntimeError("micro_batches() needs a batch the loader handed out, before its first backward()")
-        return self._split(batch)
-
-    def _split(self, batch) -> list:
-        parts = list(batch) if self.cfg.accumulation_steps > 1 else [batch]
-        cap, planned = self.memory.cap, self.micro.planned
-        if cap is None or max(planned) <= cap:
-            self.micro.split(planned)
-            return parts
-        out = [p for part, m in zip(parts, planned) for p in memory.split_batch(part, memory.split_sizes([m], cap))]
-        self.micro.split(memory.split_sizes(planned, cap))
-        return out
-
-    def run_step(self, fn, batch) -> None:
-        """Forward and backward of the open step within this rank's memory cap (see the module docstring).
-
-        ``fn(micro_batch)`` returns the micro-batch's mean loss, or ``(loss, count)``
-        (:meth:`backward`). Gradients must be zero or None when it starts
-        (``optimizer.zero_grad()``); on ``torch.OutOfMemoryError`` the cap is
-        halved, the gradients are cleared and the step is redone, so the update
-        is the one the step would have made.
-        """
-        if self.ledger.open is None or self.model is None:
-            raise RuntimeError("run_step() needs the wrapped model and a batch the loader handed out")
-        params = list(self.model.parameters())
-        had_grad = [p.grad is not None for p in params]
-        while True:
-            failure = memory.attempt(self.micro, fn, self._split(batch))
-            if failure is None:
-                return
-            memory.clear_grads(params, had_grad)
-            memory.reset_reducer(self.model, failure)
-            memory.free_memory(self.device)
-            said = self.memory.after(failure, f"rank {self.rank}, step {self.ledger.open}")  # or raises
-            print(f"omnilearn: {said}", file=sys.stderr, flush=True)
-
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None) -> None:
         """Report the end of this rank's step (after ``optimizer.step()``); ``loss`` and ``lr`` are logged.
 
@@ -310,42 +264,6 @@ class Session:
             self.probe = None
         self.clock.step_ended()
         self.ledger.start_next()
-
-    def _end_interval(self, step: int) -> None:
-        rows = self.ledger.take_rows()
-        decision, stop = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows, stop_requested(),
-                                    cap=self.memory.reported())
-        self.should_stop = self.should_stop or stop
-        self._close_window(step, decision, rows)
-
-    def _check(self, step: int) -> None:
-        """A look at the steps since the last check: the loop decides now if some worker's speed clearly shifted."""
-        rows = self.ledger.rows()[-self.check_every:]
-        decision = check_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows,
-                                cap=self.memory.reported())
-        if decision is not None:  # recorded: the window ends here
-            self._close_window(step, decision, self.ledger.take_rows())
-
-    def _close_window(self, step: int, decision, rows: list[list[float]]) -> None:
-        """After a decision: caps seen, the window's rows to rank 0, buffers averaged, telemetry."""
-        self._record_caps(step)
-        table = gather_to_main(self.ctx, rows, len(ROW_FIELDS))
-        self._average_buffers()
-        if self.telemetry is not None:
-            effective = decision.effective_step
-            self.telemetry.interval(table, decision, step + 1 + self.run.lag if effective is None else effective)
-
-    def _record_caps(self, step: int) -> None:
-        """Rank 0: a ``memory_cap`` event for each worker whose reported cap changed at this interval end."""
-        caps = getattr(self.loop, "caps", None)
-        if self.telemetry is None or caps is None:
-            return
-        now = [int(c) if c < 2**62 else 0 for c in caps.reported]
-        for rank, cap in enumerate(now):
-            if cap != (self.caps_seen[rank] if self.caps_seen else 0):
-                self.telemetry.events.write("memory_cap", step=step, rank=rank, cap=cap or None)
-                self.telemetry.console.info(f"rank {rank}'s batch cap is now {cap or 'none'} (memory)")
-        self.caps_seen = now
 
     def sync_buffers(self) -> None:
         """Make buffers (BatchNorm statistics) equal everywhere: their batch-share-weighted average.
