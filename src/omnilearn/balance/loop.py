@@ -189,7 +189,7 @@ class ControlLoop:
             self.kept[shifted] = 1
             older = (self.ages()[:, 0] > 0)[:, None] & shifted[None, :]
             # a slower (or faster) machine: its older (batch, time) pairs keep their line's shape, scaled
-            self.pairs[1] = np.where(older, self.pairs[1] * ratio[None, :], self.pairs[1])
+            self.pairs[1] = np.where(older, self.pairs[1] * np.where(shifted, ratio, 1.0)[None, :], self.pairs[1])
             if self.caps is not None:
                 self.caps.forget(shifted)
             self.guard.reset()

@@ -48,8 +48,9 @@ def column_median(x: np.ndarray) -> np.ndarray:
 
 def row_median(x: np.ndarray) -> np.ndarray:
     """Per row of (m, k) ``x``, the median of its finite entries (NaN for none); sorts along contiguous rows."""
-    s = np.sort(x, axis=1)  # NaN last
-    k = np.isfinite(x).sum(axis=1)
+    finite = np.isfinite(x)
+    s = np.sort(np.where(finite, x, np.inf), axis=1)  # missing last (numpy sorts inf much faster than NaN)
+    k = finite.sum(axis=1)
     rows = np.arange(x.shape[0])
     low, high = s[rows, np.maximum(k - 1, 0) // 2], s[rows, np.maximum(k, 1) // 2 - (k == 0)]
     return np.where(k > 0, 0.5 * (low + high), np.nan)
@@ -66,15 +67,16 @@ def fit_affine(history: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     than along columns).
     """
     h = np.asarray(history, dtype=float)
-    hw = np.ascontiguousarray(np.moveaxis(h, 0, 1))  # (n, windows, 2)
+    hw = np.ascontiguousarray(np.moveaxis(h, 0, 1))  # (n, windows, 2): one contiguous row per worker
     b, t = hw[..., 0], hw[..., 1]
     with np.errstate(invalid="ignore"):
         ok = np.isfinite(b) & np.isfinite(t) & (b > 0) & (t > 0)
     b, t = np.where(ok, b, np.nan), np.where(ok, t, np.nan)
     i, j = np.triu_indices(h.shape[0], k=1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        slopes = (t[:, j] - t[:, i]) / (b[:, j] - b[:, i])  # NaN where a window is empty; inf/NaN: equal batches
-        slopes[~np.isfinite(slopes)] = np.nan
+        db, dt = b[:, j] - b[:, i], t[:, j] - t[:, i]
+        usable = (db != 0) & np.isfinite(db) & np.isfinite(dt)  # both windows there, at distinct batches
+        slopes = np.where(usable, dt / np.where(usable, db, 1.0), np.nan)  # no 0/0: slow, and it warns
         beta = row_median(slopes)
         alpha = row_median(t - beta[:, None] * b)
         origin = ~(np.isfinite(beta) & (beta > MIN_BETA) & (alpha >= 0))

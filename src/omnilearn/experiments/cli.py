@@ -1,4 +1,4 @@
-"""``omnilearn`` command line: ``omnilearn train|bench|report [flags]``.
+"""``omnilearn`` command line: ``omnilearn train|bench|report|simulate [flags]``.
 
 Examples::
 
@@ -8,6 +8,7 @@ Examples::
     torchrun --standalone --nproc-per-node 2 -m omnilearn train --speeds 2,1
     omnilearn bench --quick                           # uniform vs static vs omnilearn per HL
     omnilearn report runs/<timestamp>                 # PNG plots of a run or a bench
+    omnilearn simulate --workers 1024 --noise 0.1     # the same controllers against modelled workers
 
 Settings come from defaults, then ``--config FILE.toml``, then flags. Bad input
 ends with one ``omnilearn: error: ...`` line and exit status 2.
@@ -30,7 +31,7 @@ from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, LANG
                               dump_toml, load_toml)
 from omnilearn.experiments.datasets.core import DATASETS
 from omnilearn.experiments.zoo.models import MODELS, is_language_model
-from omnilearn.experiments import preflight, restarts
+from omnilearn.experiments import preflight, restarts, whatif
 from omnilearn.experiments.presets import load_preset, preset_names
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.balance.controllers import CONTROLLERS
@@ -164,6 +165,13 @@ def _report_parser(sub) -> None:
     p.add_argument("--tensorboard", metavar="LOGDIR", help="also write TensorBoard scalars of a run here")
 
 
+def _simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="what-if: the same controllers against 2 to 10,000 modelled workers "
+                       "(speed mixes, noise, speed changes, sync cost, memory caps); --from-bench DIR validates "
+                       "against a bench", description=whatif.__doc__.split("\n\n")[0])
+    whatif.add_arguments(p)
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="omnilearn", description="Heterogeneity-aware data-parallel training on PyTorch.")
     p.add_argument("--version", action="version", version=f"omnilearn {__version__}")
@@ -171,6 +179,7 @@ def parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _bench_parser(sub)
     _report_parser(sub)
+    _simulate_parser(sub)
     return p
 
 
@@ -377,7 +386,7 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "bench": bench, "report": report}
+COMMANDS = {"train": train, "bench": bench, "report": report, "simulate": whatif.run}
 
 
 def missing_harness_modules() -> list[str]:
