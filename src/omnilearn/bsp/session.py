@@ -55,7 +55,7 @@ Run it with ``torchrun --nproc-per-node N script.py`` or as one process.
 afterwards (dropout and augmentation differ per rank; :mod:`omnilearn.bsp.rng`).
 A step's clock starts when its batch is handed out, or when the previous
 step is reported if the loop fetched ahead; ``step()`` ends it. Every
-``control_interval`` steps one all-gather of ``n x 8`` numbers feeds the same
+``control_interval`` steps one all-gather of ``n x 10`` numbers feeds the same
 :class:`~omnilearn.balance.loop.ControlLoop` on every rank, and the
 interval's per-step rows go to rank 0 only (:mod:`omnilearn.bsp.interval`).
 ``state_dict()`` / ``load_state_dict()`` hold everything but the user's
