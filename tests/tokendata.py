@@ -1,4 +1,4 @@
-"""A padded next-token dataset shared by the accumulation and GPU tests (importable: tests/ is on sys.path)."""
+"""Small datasets shared by the accumulation, memory and GPU tests (importable: tests/ is on sys.path)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,20 @@ class TokenData(torch.utils.data.Dataset):
         self.y = (self.x + 1) % vocab
         lengths = torch.randint(1, length + 1, (n, 1), generator=g)
         self.y[torch.arange(length).expand(n, length) >= lengths] = PAD
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class PairData(torch.utils.data.Dataset):
+    """``n`` random (6 features, one of 3 classes) samples, the same for every seed of the test process."""
+
+    def __init__(self, n: int = 240) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(3, (n,), generator=g)
 
     def __len__(self) -> int:
         return len(self.x)

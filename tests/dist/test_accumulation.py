@@ -27,21 +27,11 @@ from torch import nn
 
 import omnilearn
 from omnilearn.data.plan import GlobalPlan
-from tokendata import PAD, TokenData
+from tokendata import PAD, PairData, TokenData
 
 pytestmark = pytest.mark.dist
 
 
-class ListData(torch.utils.data.Dataset):
-    def __init__(self, n: int = 240) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(3, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
 
 
 def mlp() -> nn.Module:
@@ -103,7 +93,7 @@ def _accumulation_worker(rank: int, store: str, out: str) -> None:
     model = ol.wrap_model(mlp())
     calls, before_sync = [0], ol.emulator.before_sync
     ol.emulator.before_sync = lambda: (calls.__setitem__(0, calls[0] + 1), before_sync())[1]
-    run(ol, model, ol.data_loader(ListData()), lambda m, x, y: F.cross_entropy(m(x), y), 12, False, change_at=5)
+    run(ol, model, ol.data_loader(PairData()), lambda m, x, y: F.cross_entropy(m(x), y), 12, False, change_at=5)
     result.update(plans=[list(ol.schedule.peek(s)) for s in range(12)], before_sync=calls[0],
                   weights={k: v.detach() for k, v in ol.module.state_dict().items()})
     ol.finish()
@@ -130,7 +120,7 @@ def test_three_heterogeneous_workers_accumulating_equal_one_process(three_worker
     plans = [tuple(p) for p in three_workers[0]["plans"]]
     assert plans[6] == (10, 20, 30) != plans[5]  # a change landed mid-window (steps 4..7)
     assert all(sum(p) == 60 for p in plans)
-    expected = reference(mlp(), ListData(), lambda m, x, y: F.cross_entropy(m(x), y), 60, 12)
+    expected = reference(mlp(), PairData(), lambda m, x, y: F.cross_entropy(m(x), y), 60, 12)
     for r, got in enumerate(three_workers):
         assert close(got["weights"], expected) < 1e-5, f"rank {r}"
         assert got["before_sync"] == 12 * 3  # after both local backwards and in the hook, every step
@@ -156,7 +146,7 @@ def test_padded_token_loss_weighted_by_count_equals_one_process(three_workers):
 def test_micro_batch_misuse_is_an_error():
     ol = omnilearn.setup(global_batch=12, accumulation_steps=2, min_batch=2, device="cpu")
     model = ol.wrap_model(nn.Linear(6, 3))
-    it = iter(ol.data_loader(ListData()))
+    it = iter(ol.data_loader(PairData()))
     micro_batches = next(it)
     assert len(micro_batches) == 2 and [len(x) for x, _ in micro_batches] == [6, 6]
     ol.backward(F.cross_entropy(model(micro_batches[0][0]), micro_batches[0][1]))

@@ -32,21 +32,12 @@ from torch import nn
 
 import omnilearn
 from omnilearn.bsp.memory import FAULT_OOM_ENV
+from tokendata import PairData
 
 pytestmark = pytest.mark.dist
 STEPS, B = 12, 64
 
 
-class Data(torch.utils.data.Dataset):
-    def __init__(self, n: int = STEPS * B) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(3, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
 
 
 def run(rank: int, out: str | None = None, oom: str | None = None, loss_cap: int | None = None, **settings) -> dict:
@@ -68,7 +59,7 @@ def run(rank: int, out: str | None = None, oom: str | None = None, loss_cap: int
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sizes = []
-    for batch in ol.data_loader(Data()):
+    for batch in ol.data_loader(PairData(STEPS * B)):
         opt.zero_grad()
         ol.run_step(loss, batch)
         sizes.append(list(ol.micro.sizes))

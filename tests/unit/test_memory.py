@@ -30,6 +30,7 @@ from omnilearn.bsp.memory import (FAULT_OOM_ENV, cap_from_memory, fault_oom_samp
                                   split_batch, split_sizes)
 from omnilearn.config import BalanceConfig, ConfigError, dump_toml
 from omnilearn.experiments.config import TrainConfig, normalise_keys
+from tokendata import PairData
 
 
 @pytest.mark.parametrize("value, parsed", [(64, 64), ("64", 64), ("256,64,64,64", (256, 64, 64, 64)),
@@ -105,16 +106,6 @@ def test_fault_spec():
         fault_oom_samples(0, "zero")
 
 
-class Data(torch.utils.data.Dataset):
-    def __init__(self, n: int = 192) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(3, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
 
 
 def train(accumulation_steps: int = 1) -> tuple[list[torch.Tensor], omnilearn.Session]:
@@ -122,7 +113,7 @@ def train(accumulation_steps: int = 1) -> tuple[list[torch.Tensor], omnilearn.Se
     torch.manual_seed(0)
     model = ol.wrap_model(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for batch in ol.data_loader(Data()):
+    for batch in ol.data_loader(PairData(192)):
         opt.zero_grad()
         ol.run_step(lambda b: F.cross_entropy(model(b[0]), b[1]), batch)
         opt.step()
@@ -151,7 +142,7 @@ def test_a_sample_that_does_not_fit_is_a_clear_error(monkeypatch):
 def test_micro_batches_follow_the_cap_and_need_a_fresh_step():
     ol = omnilearn.setup(global_batch=12, device="cpu", min_batch=4)
     model = ol.wrap_model(nn.Linear(6, 3))
-    batch = next(iter(ol.data_loader(Data())))
+    batch = next(iter(ol.data_loader(PairData(192))))
     assert ol.micro_batches(batch) == [batch] and ol.micro.sizes == (12,)
     ol.memory.learn(5)  # as after an out-of-memory error
     parts = ol.micro_batches(batch)
