@@ -60,11 +60,11 @@ def test_caps_that_cannot_hold_the_batch_are_stretched_not_fatal():
 
 
 def test_the_adaptive_upper_bound_caps_a_worker_whose_throughput_fell():
-    fast = [100.0]  # worker 0's samples/s up to 100 samples; above, memory pressure costs it a third
+    fast = [100.0]  # worker 0's samples/s up to 100 samples; above, memory pressure halves it
 
     def times(plan):
         b0, b1 = plan
-        return [b0 / fast[0] * (1.5 if b0 > 100 else 1.0), b1 / 50.0]
+        return [b0 / fast[0] * (2.0 if b0 > 100 else 1.0), b1 / 50.0]
 
     loop = ControlLoop(ProportionalController(Bounds(200, 2, 8)), lag=0)
     feed(loop, 14, times(loop.plan))  # worker 0 twice as fast: it grows
