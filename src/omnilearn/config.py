@@ -60,7 +60,7 @@ class BalanceConfig:
     emulator: str = "delay"
     containers: str | None = None  # --emulator docker: one container name per worker, comma-separated
     throttle_cpus: float | None = None  # cgroup/docker: CPUs of the fastest worker (None: cores / workers)
-    controller: str = "omnilearn"
+    controller: str = "model"  # the bench of 2026-11-23: same step time as "omnilearn", settles faster
     deadband: float = 0.05
     min_batch: int = 8
     max_batch: int | tuple[int, ...] | str | None = None  # one, one per worker, "auto" (CUDA probe); None: none

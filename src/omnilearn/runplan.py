@@ -49,7 +49,7 @@ def plan_run(cfg: BalanceConfig, dataset_len: int, total_steps: int | None, pref
             f"--global-batch {cfg.global_batch} is larger than the {what} ({dataset_len} samples); "
             "lower --global-batch"
         )
-    if cfg.controller == "omnilearn" and cfg.control_interval < lag + MIN_STEPS_PER_DECISION:
+    if cfg.controller in ("omnilearn", "model") and cfg.control_interval < lag + MIN_STEPS_PER_DECISION:
         raise ConfigError(
             f"--control-interval {cfg.control_interval} is too short for a data loader that prefetches {lag} "
             f"steps; use at least {lag + MIN_STEPS_PER_DECISION}"

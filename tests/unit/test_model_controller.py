@@ -57,8 +57,11 @@ def estimates(batches, alpha, beta, history):
     return Estimates(b, alpha + beta * b, np.zeros(b.size), history)
 
 
-def test_model_is_a_choice_but_not_the_default():
+def test_model_is_the_bsp_default_and_asp_keeps_the_proportional_rule():
+    from omnilearn.config import BalanceConfig
+    from omnilearn.experiments.config import ASP_DEFAULTS
     assert CONTROLLERS[:3] == ("omnilearn", "static", "uniform") and CONTROLLERS[3] == "model"
+    assert BalanceConfig().controller == "model" and ASP_DEFAULTS["controller"] == "omnilearn"
     ctl = make_controller("model", Bounds(64, 4, 2, 40), [1, 1, 1, 1])
     assert isinstance(ctl, ModelController) and ctl.initial() == [16, 16, 16, 16]
     state = json.loads(json.dumps(ctl.state_dict()))

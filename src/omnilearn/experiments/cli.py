@@ -115,8 +115,8 @@ def _train_parser(sub) -> None:
     add("--max-time-s", type=float, help="asp: stop after this many seconds of training")
     add("--speeds", help="relative worker speeds, e.g. 4,2,1, or a level HL1/HL2/HL4/HL8 (default HL8 for 4 workers)")
     add("--speed-schedule", help="'paper' (HL1>2>4>8>8>4>2>1) or a TOML file of [[change]] at_step/at_epoch + speeds")
-    add("--controller", choices=CONTROLLERS, help="omnilearn (default: the paper's proportional rule), model "
-        "(fits t(b) = a + b*c per worker, equal finish times in one decision; experimental), static or uniform")
+    add("--controller", choices=CONTROLLERS, help="model (default: fits t(b) = a + b*c per worker, equal finish "
+        "times in one decision), omnilearn (the paper's proportional rule; the --mode asp default), static or uniform")
     add("--out", help="run directory (default runs/<timestamp>)")
     add("--checkpoint-every", type=int, help="steps between checkpoints in RUN_DIR/checkpoints (default "
         f"{TrainConfig.checkpoint_every}; 0: none; saved at the next control-interval end)")
@@ -140,8 +140,8 @@ def _bench_parser(sub) -> None:
     add("--speeds", help=f"settings to run, comma-separated (default {','.join(SETTINGS)}; --mode asp: "
         f"{','.join(aspbench.SETTINGS)}, --quick {','.join(aspbench.QUICK_SETTINGS)})")
     add("--arms", help=f"controllers to compare, comma-separated, from {', '.join(CONTROLLERS)} (default "
-        f"{','.join(FIXED_ARMS)} and --controller, itself omnilearn by default; plain DDP runs at HL1 besides)")
-    add("--controller", choices=CONTROLLERS, help="the balancing arm beside uniform and static (default omnilearn; "
+        f"{','.join(FIXED_ARMS)} and --controller, itself model by default; plain DDP runs at HL1 besides)")
+    add("--controller", choices=CONTROLLERS, help="the balancing arm beside uniform and static (default model; "
         "--arms overrides)")
     add("--quick", action="store_true", help="shorter: fewer steps and repeats, a few minutes on 2 cores")
     add("--repeats", type=int, help=f"interleaved repeats of every arm, arm order rotating (default "

@@ -24,8 +24,9 @@ __all__ = ["ASP_DEFAULTS", "DEVICES", "EMULATORS", "LANGUAGE_MODEL_DEFAULTS", "L
 OPTIMIZERS = ("sgd", "adamw")
 # What the CLI starts from for a language model, under a preset, --config and flags: a CPU-friendly run.
 # What the CLI starts from in --mode asp: plain SGD on the server (with staleness ~n-1, server momentum 0.9
-# made balanced runs diverge here), at the rate of one push of B/n samples.
-ASP_DEFAULTS = {"momentum": 0.0, "lr": 0.05}
+# made balanced runs diverge here), at the rate of one push of B/n samples; the proportional controller
+# (the ASP server's windows of a few pushes are noisy for the model's fit, which BSP's bench chose).
+ASP_DEFAULTS = {"momentum": 0.0, "lr": 0.05, "controller": "omnilearn"}
 LANGUAGE_MODEL_DEFAULTS = {"dataset": "text", "optimizer": "adamw", "lr": 3e-3, "global_batch": 128, "epochs": 1}
 LR_SCHEDULES = ("cosine", "multistep", "constant")
 MODES = ("bsp", "asp")
