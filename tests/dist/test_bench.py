@@ -25,11 +25,11 @@ def test_bench_runs_every_arm_and_writes_json_table_and_plots(tmp_path, capsys):
                  "--control-interval", "3", "--global-batch", "256", "--target-accuracy", "0.05", "--out", str(out)])
     assert code == 0
     bench = json.loads((out / "bench.json").read_text())
-    assert bench["repeats"] == 2 and bench["arms"] == ["uniform", "static", "omnilearn"]  # --quick: 2 repeats
+    assert bench["repeats"] == 2 and bench["arms"] == ["uniform", "static", "model"]  # --quick: 2 repeats; model: the default controller
     assert bench["warmup_steps"] == 12 and (out / "warmup" / "summary.json").exists()  # 4 intervals, unmeasured
     arms = {(r["setting"], r["arm"]) for r in bench["results"]}
-    assert arms == {("HL1", a) for a in ("uniform", "static", "omnilearn", "ddp")} | {
-        ("paper", a) for a in ("uniform", "static", "omnilearn")}
+    assert arms == {("HL1", a) for a in ("uniform", "static", "model", "ddp")} | {
+        ("paper", a) for a in ("uniform", "static", "model")}
     by = {(r["setting"], r["arm"]): r for r in bench["results"]}
     assert by[("HL1", "uniform")]["speedup"] == pytest.approx(1.0)
     assert by[("HL1", "ddp")]["speedup"] > 0 and by[("HL1", "ddp")]["steps"] == 12
@@ -37,20 +37,20 @@ def test_bench_runs_every_arm_and_writes_json_table_and_plots(tmp_path, capsys):
         assert r["repeats"] == 2 and len(r["run_dirs"]) == 2
         assert len(r["spread"]["mean_step_s"]["per_repeat"]) == 2
         assert r["spread"]["mean_step_s"]["min"] <= r["mean_step_s"] <= r["spread"]["mean_step_s"]["max"]
-    hl1 = by[("HL1", "omnilearn")]
+    hl1 = by[("HL1", "model")]
     assert hl1["figures_from_step"] == 0 and hl1["step_clock"] == "wall"  # 12 steps < one epoch of 39
     assert hl1["verdict"]["vs_uniform"]["verdict"] in ("faster", "slower", "same (within spread)")
     assert len(hl1["verdict"]["vs_static"]["per_repeat"]) == 2 and "verdict" not in by[("HL1", "static")]
-    paper = by[("paper", "omnilearn")]
+    paper = by[("paper", "model")]
     assert paper["steps"] == 48 and len(paper["reaction_steps"]) >= 4
     assert len(paper["settled_within_interval"]) == len(paper["speed_change_steps"])
     assert 0 < paper["balance_efficiency"] <= 1.2 and paper["efficiency_floor"] == hl1["balance_efficiency"]
     assert paper["time_to_accuracy_s"] is not None  # 5% is reached at the first evaluation
     assert "fidelity_error" in by[("HL1", "uniform")]
     table = capsys.readouterr().out
-    assert "| paper | omnilearn |" in table and "| HL1 | ddp |" in table and "Mean over 2 repeats" in table
-    assert "paper, omnilearn: settled within one control interval (3 steps)" in table
-    for png in ("speedup.png", "efficiency.png", "paper-omnilearn-r0/batches.png", "paper-omnilearn-r1/batches.png"):
+    assert "| paper | model |" in table and "| HL1 | ddp |" in table and "Mean over 2 repeats" in table
+    assert "paper, model: settled within one control interval (3 steps)" in table
+    for png in ("speedup.png", "efficiency.png", "paper-model-r0/batches.png", "paper-model-r1/batches.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # A second bench into the same directory is refused, and the first is left as it was.
     assert main(["bench", "--quick", "--speeds", "HL1", "--out", str(out)]) == 2
