@@ -15,6 +15,8 @@ See :mod:`omnilearn.bsp.session` and README.md.
 
 from __future__ import annotations
 
+from omnilearn.config import BalanceConfig, ConfigError  # torch-free: errors and settings need no torch import
+
 __version__ = "0.1.0"
 __all__ = ["BalanceConfig", "ConfigError", "Session", "setup"]
 
@@ -28,8 +30,8 @@ def __getattr__(name: str):  # lazy: ``import omnilearn`` stays cheap for the CL
         from omnilearn.bsp.session import Session
 
         return Session
-    if name in ("BalanceConfig", "ConfigError"):
-        from omnilearn import config
-
-        return getattr(config, name)
     raise AttributeError(f"module 'omnilearn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
@@ -62,7 +63,7 @@ class BalanceConfig:
     throttle_cpus: float | None = None  # cgroup/docker: CPUs of the fastest worker (None: cores / workers)
     controller: str = "model"  # the bench of 2026-11-23: same step time as "omnilearn", settles faster
     deadband: float = 0.05
-    min_batch: int = 8
+    min_batch: int | None = None  # None: derived from the per-worker batch (:func:`derive_min_batch`)
     max_batch: int | tuple[int, ...] | str | None = None  # one, one per worker, "auto" (CUDA probe); None: none
     batch_multiple: int = 1  # adaptive batches in multiples of this (fewer shapes: fewer torch.compile recompiles)
     control_interval: int = 15
@@ -88,7 +89,16 @@ class BalanceConfig:
             object.__setattr__(self, "speeds", ",".join(["1"] * self.workers))
         check_positive(self, "global_batch", "control_interval", "timeout_s", "heartbeat_s", "accumulation_steps",
                        "batch_multiple")
-        if self.min_batch < self.accumulation_steps:
+        if self.min_batch is None and self.workers is not None:
+            object.__setattr__(self, "min_batch", derive_min_batch(self.global_batch, self.workers,
+                                                                   self.accumulation_steps, self.batch_caps))
+        if self.workers is not None and self.global_batch < self.workers * self.accumulation_steps:
+            raise ConfigError(f"--accumulation-steps {self.accumulation_steps} needs {self.accumulation_steps} samples "
+                              f"per worker, but --global-batch {self.global_batch} over {self.workers} workers gives "
+                              f"{self.global_batch // self.workers}; raise --global-batch or lower --accumulation-steps")
+        if self.min_batch is not None and self.min_batch < 1:
+            raise ConfigError(f"--min-batch {self.min_batch} must be positive")
+        if self.min_batch is not None and self.min_batch < self.accumulation_steps:
             raise ConfigError(f"--min-batch {self.min_batch} is below --accumulation-steps {self.accumulation_steps}: "
                               f"each worker's batch is split into {self.accumulation_steps} micro-batches and none may "
                               f"be empty; use --min-batch {self.accumulation_steps} or more")
@@ -152,6 +162,22 @@ class BalanceConfig:
 
 
 AUTO = "auto"  # max_batch: each rank probes its memory (CUDA)
+MIN_BATCH_CEILING = 8  # the derived min_batch never exceeds this
+
+
+def derive_min_batch(global_batch: int, workers: int, accumulation_steps: int = 1,
+                     caps: int | tuple[int, ...] | None = None) -> int:
+    """``min_batch`` when none is given: a quarter of the even share, at most 8, at least 1 per micro-batch.
+
+    So the controller can always move (an even share of 8 gets a floor of 2,
+    not 8: a fixed floor of 8 froze 8/8 splits), and a tiny batch never
+    wastes a large machine. Per-worker caps below it lower it.
+    """
+    share = max(1, global_batch // max(1, workers))
+    floor = max(accumulation_steps, min(MIN_BATCH_CEILING, max(1, share // 4)))
+    if isinstance(caps, tuple):
+        floor = min(floor, max(accumulation_steps, min(caps)))
+    return floor
 
 
 def parse_max_batch(value: Any) -> int | tuple[int, ...] | str | None:
@@ -212,6 +238,32 @@ def _check_types(cfg: BalanceConfig) -> None:
 def _kinds(f: dataclasses.Field) -> tuple[type, ...]:
     kind = str(f.type)
     return (bool,) if kind == "bool" else (float, int) if "float" in kind else (int,) if "int" in kind else (str,)
+
+
+_NOT_VALUES = frozenset("a an and at below above by for from in is must needs of on only or per than the to too "
+                        "was were with".split())
+_FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?:[ =]([^\s;()]+))?")
+
+
+def api_wording(message: str, keywords: frozenset[str] | None = None) -> str:
+    """A message written with CLI flags (``--min-batch 8``) in Python keywords (``min_batch=8``).
+
+    The Python API's errors name what its user typed; flags that are not
+    keywords (``keywords``: the config's fields by default) stay as they are.
+    """
+    known = keywords if keywords is not None else frozenset(f.name for f in fields(BalanceConfig))
+
+    def word(m: re.Match) -> str:
+        name = m.group(1).replace("-", "_")
+        if name not in known:
+            return m.group(0)
+        value = m.group(2)
+        if value is None or value in _NOT_VALUES:
+            return name + m.group(0)[len(m.group(1)) + 2:]
+        tail = value[len(value.rstrip(",.:")):]
+        return f"{name}={value[:len(value) - len(tail)]}{tail}"
+
+    return _FLAG.sub(word, message)
 
 
 def check_positive(cfg: BalanceConfig, *names: str) -> None:

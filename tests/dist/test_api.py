@@ -109,8 +109,10 @@ def test_local_batch_or_global_batch_not_both():
         omnilearn.setup(global_batch=64, local_batch=16, device="cpu")
     with pytest.raises(ConfigError, match="local_batch=0 must be a positive integer"):
         omnilearn.setup(local_batch=0, device="cpu")
-    with pytest.raises(ConfigError, match="local_batch=4 x 1 workers"):
-        omnilearn.setup(local_batch=4, device="cpu")  # below min_batch 8
+    assert omnilearn.setup(local_batch=4, device="cpu").cfg.min_batch == 1  # derived: a quarter of the share
+    with pytest.raises(ConfigError, match="local_batch=4 x 1 workers: accumulation_steps=8 needs 8 samples per "
+                                          "worker, but global_batch=4"):
+        omnilearn.setup(local_batch=4, accumulation_steps=8, device="cpu")
 
 
 def _train_step(ol, model, opt, x, y):
@@ -247,6 +249,14 @@ def _two_rank_worker(rank: int, store: str, out: str) -> None:
     result.update(calls=list(counting.calls), global_batch=ol.global_batch, batches=ol.batches,
                   buffers={k: v for k, v in ol.module.state_dict().items() if "running" in k},
                   params={k: v.detach() for k, v in ol.module.named_parameters()})
+    # Small per-worker batches (8 each) still rebalance: min_batch is derived (2), not a fixed 8 that froze 8/8.
+    small = omnilearn.setup(local_batch=8, speeds="3,1", control_interval=4, device="cpu")
+    small_model = small.wrap_model(nn.Linear(6, 3))
+    small_opt = torch.optim.SGD(small_model.parameters(), lr=0.05)
+    for x, y in small.data_loader(ListData(480)):
+        _train_step(small, small_model, small_opt, x, y)
+    small.finish()
+    result.update(small_batches=small.batches, small_min=small.cfg.min_batch)
     # Out of step: rank 1 ends a control interval while rank 0 calls sync_buffers(): both are told.
     other = omnilearn.setup(global_batch=48, control_interval=3, device="cpu")
     other.wrap_model(BNNet())
@@ -273,6 +283,8 @@ def test_existing_group_batches_buffers_seeds_settings_and_traffic(tmp_path):
     assert a["global_batch"] == 48  # local_batch 24 x 2 workers
     assert a["batches"] == b["batches"] and sum(a["batches"]) == 48
     assert a["batches"][0] > a["batches"][1]  # the emulated 3x slower worker got the smaller batch
+    assert a["small_min"] == 2 and a["small_batches"] == b["small_batches"]
+    assert a["small_batches"][0] >= 10 > a["small_batches"][1], a["small_batches"]  # moved off 8/8
     assert not torch.equal(a["mask"], b["mask"])  # dropout differs between ranks
     for key in ("buffers", "params"):
         for name in a[key]:

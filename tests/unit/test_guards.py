@@ -151,3 +151,26 @@ def test_noise_at_1024_workers_rarely_changes_the_plan():
                                                   * (1 + 0.1 * rng.standard_normal((n, 15)))))
         changes += d.changed and k >= 10
     assert changes <= 3  # of 30 intervals after settling: at most 10%
+
+
+def test_a_worker_pinned_at_min_batch_while_slowest_is_named():
+    from omnilearn.balance.guards import pinned_low
+
+    assert pinned_low(np.array([56, 8]), np.array([0.020, 0.041]), lower=8, margin=0.05) == 1  # waits for it
+    assert pinned_low(np.array([56, 8]), np.array([0.020, 0.0205]), lower=8, margin=0.05) is None  # balanced
+    assert pinned_low(np.array([40, 24]), np.array([0.020, 0.041]), lower=8, margin=0.05) is None  # can still move
+    assert pinned_low(np.array([64]), np.array([0.02]), lower=8, margin=0.05) is None
+
+
+def test_the_loop_reports_a_worker_stuck_at_min_batch():
+    loop = ControlLoop(make_controller("model", Bounds(16, 2, 8), (1.0, 1.0)), total_steps=1000)
+    rng = np.random.default_rng(0)
+    for k in range(3):  # worker 1 is 3x slower, and 8/8 is the only plan min_batch=8 allows
+        loop.update(15 * k + 14, window_table(loop.plan, np.array([[0.01], [0.03]]) * (1 + 0.01 * rng.random((2, 15)))))
+    assert loop.batches == (8, 8) and loop.pinned == 1
+    free = ControlLoop(make_controller("model", Bounds(16, 2, 2), (1.0, 1.0)), total_steps=1000)
+    per_sample = np.array([0.01, 0.03]) / 8  # time proportional to batch: 12/4 finishes together
+    for k in range(4):
+        times = (per_sample * free.plan)[:, None] * (1 + 0.01 * rng.random((2, 15)))
+        free.update(15 * k + 14, window_table(free.plan, times))
+    assert free.batches == (12, 4) and free.pinned is None

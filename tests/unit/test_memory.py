@@ -52,7 +52,7 @@ def test_max_batch_forms(value, parsed):
     ([64.5, 64, 64, 64], "must be one number"), (True, "must be one number"), ("0", "must be positive")])
 def test_max_batch_errors_name_the_value_and_the_fix(value, message):
     with pytest.raises(ConfigError, match=message) as e:
-        BalanceConfig(workers=4, global_batch=256, max_batch=value)
+        BalanceConfig(workers=4, global_batch=256, max_batch=value, min_batch=8)
     assert "\n" not in str(e.value)
 
 

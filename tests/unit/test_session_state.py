@@ -167,7 +167,8 @@ def test_shared_settings_leave_out_host_paths_and_hash_schedule_content(tmp_path
 def test_accumulation_steps_needs_non_empty_micro_batches():
     assert BalanceConfig(accumulation_steps=4, min_batch=4).accumulation_steps == 4
     with pytest.raises(ConfigError, match="--min-batch 8 is below --accumulation-steps 16"):
-        BalanceConfig(accumulation_steps=16)
+        BalanceConfig(accumulation_steps=16, min_batch=8)
+    assert BalanceConfig(workers=2, global_batch=64, accumulation_steps=16).min_batch == 16  # derived: >= K
     with pytest.raises(ConfigError, match="accumulation-steps 0 must be positive"):
         BalanceConfig(accumulation_steps=0)
 

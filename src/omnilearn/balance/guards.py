@@ -161,3 +161,19 @@ class StepGuard:
     def reset(self) -> None:
         """A speed shift: old comparisons and holds no longer apply."""
         self.before, self.holding, self.steps = None, 0, []
+
+
+def pinned_low(plan: np.ndarray, times: np.ndarray, lower: int, margin: float) -> int | None:
+    """The worker held at the lower bound ``lower`` that is still the slowest by more than ``margin``; else None.
+
+    The controller cannot give it less, so the step waits for it: ``min_batch``
+    is too high for this job (a user-facing warning, never a silent stall).
+    """
+    plan, times = np.asarray(plan), np.asarray(times, dtype=float)
+    if plan.size < 2 or not (times > 0).all():
+        return None
+    slowest = int(np.argmax(times))
+    others = np.delete(times, slowest)
+    if plan[slowest] <= lower and times[slowest] > (1 + margin) * float(others.max()):
+        return slowest
+    return None

@@ -66,7 +66,7 @@ from numpy.typing import ArrayLike
 
 from omnilearn.balance.allocation import split_array
 from omnilearn.balance.controllers import Controller, Decision, Estimates
-from omnilearn.balance.guards import Caps, StepGuard
+from omnilearn.balance.guards import Caps, StepGuard, pinned_low
 from omnilearn.balance.windows import (  # noqa: F401  (window_row, window_table: re-exported for the runtimes)
     MEDIAN_SE, ROBUST_COUNT, WINDOW_FIELDS, moments, robust_pool, window_row, window_table)
 
@@ -105,6 +105,7 @@ class ControlLoop:
         bounds = getattr(controller, "bounds", None)
         self.caps = Caps(bounds) if bounds is not None else None
         self.guard = StepGuard(hold=history)
+        self.pinned: int | None = None  # a worker at min_batch that is still the slowest (the last decision's)
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -260,6 +261,9 @@ class ControlLoop:
             return Decision(step, old, old, times_s, False, f"holding still {self.guard.holding} more window(s) "
                             "after taking a slower change back")
         proposal = self.controller.propose(Estimates(self.plan.copy(), times, stderr, self.history_pairs()))
+        bounds = getattr(self.controller, "bounds", None)
+        self.pinned = None if bounds is None else pinned_low(proposal.batches, proposal.times_s, bounds.min_batch,
+                                                             self.deadband)
         new = np.asarray(proposal.batches, dtype=np.int64)
         before, after = float(times.max()), float(np.max(proposal.times_s))
         gain = (before - after) / before

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from omnilearn.bsp.session import Session
-from omnilearn.config import BalanceConfig, ConfigError, dump_toml
+from omnilearn.config import BalanceConfig, ConfigError, api_wording, dump_toml
 from omnilearn.distributed import group
 from omnilearn.observe.rundir import prepare
 
@@ -27,13 +27,30 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     batch: ``global_batch=B`` (all workers together), or ``local_batch=b``
     (per worker: ``B = b x world size``, known only after joining), not both;
     neither: ``local_batch=32``. ``total_steps`` bounds the run (needed for
-    ``speed_schedule="paper"``).
+    ``speed_schedule="paper"`` and for streams). Mistakes raise
+    :class:`~omnilearn.config.ConfigError`, one line naming the keyword.
     """
+    try:
+        return _setup(config, total_steps, local_batch, settings)
+    except ConfigError as e:
+        raise ConfigError(api_wording(str(e), KEYWORDS)) from None
+
+
+KEYWORDS = frozenset(f.name for f in dataclasses.fields(BalanceConfig)) | {"total_steps", "local_batch"}
+
+
+def _setup(config: BalanceConfig | None, total_steps: int | None, local_batch: int | None,
+           settings: dict[str, Any]) -> Session:
+    unknown = sorted(set(settings) - KEYWORDS)
+    if unknown:
+        raise ConfigError(f"omnilearn.setup() got an unknown keyword {unknown[0]}={settings[unknown[0]]!r}; "
+                          f"valid ones: {', '.join(sorted(KEYWORDS))}")
     if local_batch is not None and "global_batch" in settings:
         raise ConfigError(f"global_batch={settings['global_batch']} and local_batch={local_batch} both given; "
                           "give one (global_batch = local_batch x workers)")
     if local_batch is not None and (type(local_batch) is not int or local_batch < 1):
         raise ConfigError(f"local_batch={local_batch!r} must be a positive integer (samples per worker per step)")
+    derived_min = "min_batch" not in settings and (config is None or config.workers is None)
     cfg = dataclasses.replace(config, **settings) if config is not None else BalanceConfig(**settings)
     ctx = group.join(cfg.device, cfg.timeout_s)
     if cfg.workers is not None and cfg.workers != ctx.world_size:
@@ -41,10 +58,12 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     if local_batch is None and config is None and "global_batch" not in settings:
         local_batch = DEFAULT_LOCAL_BATCH
     per_worker = {} if local_batch is None else {"global_batch": local_batch * ctx.world_size}
+    if derived_min:
+        per_worker["min_batch"] = None  # derived from the batch per worker, now that the world size is known
     try:
         cfg = dataclasses.replace(cfg, workers=ctx.world_size, **per_worker)
     except ConfigError as e:
-        why = f"local_batch={local_batch} x {ctx.world_size} workers: {e}" if per_worker else str(e)
+        why = f"local_batch={local_batch} x {ctx.world_size} workers: {e}" if local_batch is not None else str(e)
         raise ConfigError(why) from None
     run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if cfg.out is not None and ctx.is_main else None
     return Session(cfg, ctx, run_dir, total_steps)

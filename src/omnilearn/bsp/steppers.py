@@ -94,11 +94,22 @@ class IntervalEnds:
     def _close_window(self, step: int, decision, rows: list[list[float]]) -> None:
         """After a decision: caps seen, the window's rows to rank 0, buffers averaged, telemetry."""
         self._record_caps(step)
+        self._warn_pinned()
         table = gather_to_main(self.ctx, rows, len(ROW_FIELDS))
         self._average_buffers()
         if self.telemetry is not None:
             effective = decision.effective_step
             self.telemetry.interval(table, decision, step + 1 + self.run.lag if effective is None else effective)
+
+    def _warn_pinned(self) -> None:
+        """Rank 0, once: a worker sits at ``min_batch`` and is still the slowest (the step waits for it)."""
+        rank = self.loop.pinned
+        if rank is None or self.telemetry is None or getattr(self, "pinned_warned", False):
+            return
+        self.pinned_warned = True
+        self.telemetry.console.info(
+            f"warning: worker {rank} sits at min_batch={self.cfg.min_batch} and is still the slowest, so every "
+            f"step waits for it; lower min_batch (--min-batch) to let it take less")
 
     def _record_caps(self, step: int) -> None:
         """Rank 0: a ``memory_cap`` event for each worker whose reported cap changed at this interval end."""
