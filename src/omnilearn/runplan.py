@@ -12,18 +12,28 @@ the one question asked before any dataset is known: the speeds at step 0
 step is ``k`` lists, so the sampler runs ``ceil(prefetch_batches / k)``
 steps ahead, and a batch change must be registered that far ahead.
 
+A speed schedule with changes at or after the run's last step is kept (the
+run simply ends first), but :func:`plan_run` warns (a
+:class:`SpeedScheduleWarning`, one per plan): those changes never happen.
+The CLI words the same warning with its own flags (``warn=False`` here).
+
 Run: ``python -m pytest -q tests/unit/test_session_state.py``
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 from omnilearn.config import BalanceConfig, ConfigError
 from omnilearn.emulation.speeds import SpeedError, SpeedSchedule, load_schedule, paper_schedule
 
 MIN_STEPS_PER_DECISION = 3  # steps at the current batches a decision needs
+
+
+class SpeedScheduleWarning(UserWarning):
+    """A speed schedule has changes the run never reaches (it ends first)."""
 
 
 @dataclass(frozen=True)
@@ -39,10 +49,18 @@ class RunPlan:
             raise ValueError("an open-ended run has no epoch count")
         return -(-self.total_steps // self.steps_per_epoch)
 
+    @property
+    def late_changes(self) -> tuple[int, ...]:
+        """Steps of speed changes at or after the run's end: they never happen (none in an open-ended run)."""
+        return () if self.total_steps is None else self.speeds.changes_from(self.total_steps)
+
 
 def plan_run(cfg: BalanceConfig, dataset_len: int, total_steps: int | None, prefetch_batches: int,
-             what: str = "dataset") -> RunPlan:
-    """``prefetch_batches``: index lists the data loader prefetches (its workers x prefetch factor)."""
+             what: str = "dataset", warn: bool = True) -> RunPlan:
+    """``prefetch_batches``: index lists the data loader prefetches (its workers x prefetch factor).
+
+    ``warn``: a :class:`SpeedScheduleWarning` (``warnings.warn``) for schedule changes past the run's end.
+    """
     lag = math.ceil(prefetch_batches / cfg.accumulation_steps)
     if dataset_len < cfg.global_batch:
         raise ConfigError(
@@ -56,9 +74,24 @@ def plan_run(cfg: BalanceConfig, dataset_len: int, total_steps: int | None, pref
         )
     spe = dataset_len // cfg.global_batch
     try:
-        return RunPlan(spe, total_steps, _speed_schedule(cfg, total_steps, spe), lag)
+        plan = RunPlan(spe, total_steps, _speed_schedule(cfg, total_steps, spe), lag)
     except SpeedError as e:
         raise ConfigError(str(e)) from None
+    if warn and plan.late_changes:
+        warnings.warn(late_changes_text(cfg, plan, f"total_steps={total_steps}", "total_steps"), SpeedScheduleWarning,
+                      stacklevel=3)
+    return plan
+
+
+def late_changes_text(cfg: BalanceConfig, plan: RunPlan, end: str, knob: str) -> str:
+    """What :attr:`RunPlan.late_changes` means, for a warning: ``end`` says what sets the run's length and
+    ``knob`` what lengthens it, in the caller's words (``total_steps=200``, ``--max-steps 200``)."""
+    late, spe = plan.late_changes, plan.steps_per_epoch
+    epoch = f" (epoch {late[0] // spe})" if late[0] % spe == 0 else ""
+    more = f" (and {len(late) - 1} after it)" if len(late) > 1 else ""
+    return (f"speed schedule {cfg.speed_schedule!r}: its change at step {late[0]}{epoch}{more} comes after the "
+            f"run's end at step {plan.total_steps} ({end}), so it never happens; raise {knob} or move the change "
+            f"earlier")
 
 
 def initial_speeds(cfg: BalanceConfig, total_steps: int | None) -> tuple[float, ...]:

@@ -78,3 +78,10 @@ def test_derived_min_batch_is_always_feasible(batch, workers, steps):
     low = derive_min_batch(batch, workers, steps)
     assert steps <= low <= max(steps, 8) and low <= batch // workers
     check_feasible(batch, workers, low, batch)  # must not raise
+
+
+def test_speeds_that_do_not_match_the_process_group_say_so():
+    with pytest.raises(ConfigError) as e:
+        omnilearn.setup(speeds="3,1,2", device="cpu")
+    assert str(e.value).startswith("speeds='3,1,2' give 3 workers but the process group has 1 (torchrun "
+                                   "--nproc-per-node 3 starts 3)"), str(e.value)

@@ -299,5 +299,6 @@ def test_pyproject_keeps_the_library_small():
     assert all("python_version < '3.11'" in r for r in project["dependencies"] if r.startswith("tomli"))
     extras = project["optional-dependencies"]
     assert names(extras["experiments"]) == ["matplotlib", "mnist1d", "pillow"]
-    assert "omnilearn-hetero[experiments]" in extras["test"]
+    assert names(extras["lightning"]) == ["lightning"] and names(extras["hf"]) == ["transformers"]
+    assert "omnilearn-hetero[experiments,lightning,hf]" in extras["test"]  # CI runs every example
     assert project["scripts"] == {"omnilearn": "omnilearn.experiments.cli:main"}

@@ -21,7 +21,7 @@ from omnilearn.experiments.cli import main
         (["--workers", "4", "--global-batch", "16", "--min-batch", "8"], "smaller than workers x min batch"),
         (["--workers", "2", "--global-batch", "512", "--max-batch", "100"], "larger than workers x max batch"),
         (["--min-batch", "64", "--max-batch", "32"], "min batch 64 is larger than max batch 32"),
-        (["--workers", "3", "--speeds", "4,2"], "give 2 workers but --workers is 3"),
+        (["--workers", "3", "--speeds", "4,2"], "--speeds 4,2 gives 2 workers but --workers is 3"),
         (["--workers", "2", "--speeds", "1,-1"], "speed -1"),
         (["--workers", "2", "--speeds", "1,zero"], "cannot read speeds"),
         (["--speeds", "HL3"], "unknown heterogeneity level 'HL3'"),

@@ -14,6 +14,7 @@ from typing import Any
 from omnilearn.bsp.session import Session
 from omnilearn.config import BalanceConfig, ConfigError, api_wording, dump_toml
 from omnilearn.distributed import group
+from omnilearn.emulation.speeds import speed_count
 from omnilearn.observe.rundir import prepare
 
 DEFAULT_LOCAL_BATCH = 32  # samples per worker per step when neither global_batch nor local_batch is given
@@ -55,6 +56,10 @@ def _setup(config: BalanceConfig | None, total_steps: int | None, local_batch: i
     ctx = group.join(cfg.device, cfg.timeout_s)
     if cfg.workers is not None and cfg.workers != ctx.world_size:
         raise ConfigError(f"workers={cfg.workers} but the process group has {ctx.world_size}; drop workers")
+    said = speed_count(cfg.speeds)
+    if said is not None and said != ctx.world_size:
+        raise ConfigError(f"speeds={cfg.speeds!r} give {said} workers but the process group has {ctx.world_size} "
+                          f"(torchrun --nproc-per-node {said} starts {said}); give one speed per worker")
     if local_batch is None and config is None and "global_batch" not in settings:
         local_batch = DEFAULT_LOCAL_BATCH
     per_worker = {} if local_batch is None else {"global_batch": local_batch * ctx.world_size}

@@ -38,8 +38,13 @@ class SpeedError(ValueError):
     """A speed list, level or schedule the user gave cannot be used."""
 
 
-def parse_speeds(text: str, workers: int, levels: dict[str, tuple[float, ...]] = BSP_LEVELS) -> tuple[float, ...]:
-    """Parse ``4,2,1`` or ``HL8`` into one positive speed per worker."""
+def parse_speeds(text: str, workers: int, levels: dict[str, tuple[float, ...]] = BSP_LEVELS,
+                 workers_said: str | None = None) -> tuple[float, ...]:
+    """Parse ``4,2,1`` or ``HL8`` into one positive speed per worker.
+
+    ``workers_said``: where the worker count came from, for the mismatch error (default ``--workers is N``;
+    e.g. ``the process group has 2 ranks`` when nobody typed it).
+    """
     key = text.strip().upper()
     if key in levels:
         speeds = levels[key]
@@ -52,15 +57,22 @@ def parse_speeds(text: str, workers: int, levels: dict[str, tuple[float, ...]] =
             raise SpeedError(
                 f"cannot read speeds {text!r}; give a comma list such as 4,2,1 or a level {', '.join(levels)}"
             ) from None
-    return check_speeds(speeds, workers, text)
+    return check_speeds(speeds, workers, text, workers_said)
 
 
-def check_speeds(speeds: Sequence[float], workers: int, text: str = "") -> tuple[float, ...]:
+def speed_count(text: object) -> int | None:
+    """How many workers a comma list of speeds (``4,2,1``: 3) names; None for a level (``HL8``) or no list."""
+    if not isinstance(text, str) or not text.strip() or text.strip().upper().startswith("HL"):
+        return None
+    return len(text.split(","))
+
+
+def check_speeds(speeds: Sequence[float], workers: int, text: str = "", workers_said: str | None = None
+                 ) -> tuple[float, ...]:
     label = text or ",".join(f"{s:g}" for s in speeds)
     if len(speeds) != workers:
-        raise SpeedError(
-            f"speeds {label!r} give {len(speeds)} workers but --workers is {workers}; give one speed per worker"
-        )
+        said = workers_said or f"--workers is {workers}"
+        raise SpeedError(f"speeds {label!r} give {len(speeds)} workers but {said}; give one speed per worker")
     for s in speeds:
         if not (math.isfinite(s) and s > 0):
             raise SpeedError(f"speed {s:g} in {label!r} must be a positive number")
@@ -86,6 +98,10 @@ class SpeedSchedule:
     def at(self, step: int) -> tuple[float, ...]:
         i = max(j for j, s in enumerate(self.starts) if s <= step)
         return self.speeds[i]
+
+    def changes_from(self, step: int) -> tuple[int, ...]:
+        """The steps, at or after ``step``, at which the speeds change (e.g. those past a run's end)."""
+        return tuple(s for s in self.starts if s >= step and s > 0)
 
     @classmethod
     def constant(cls, speeds: Sequence[float]) -> "SpeedSchedule":

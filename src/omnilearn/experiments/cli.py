@@ -3,7 +3,7 @@
 Examples::
 
     omnilearn train                                   # 4 local workers at HL8 on MNIST-1D
-    omnilearn train --workers 3 --speeds 4,2,1 --max-steps 120
+    omnilearn train --speeds 4,2,1 --max-steps 120   # 3 workers: one per speed
     omnilearn train --controller uniform --speeds HL8 # the plain data-parallel baseline
     torchrun --standalone --nproc-per-node 2 -m omnilearn train --speeds 2,1
     omnilearn bench --quick                           # uniform vs static vs omnilearn per HL
@@ -28,7 +28,7 @@ from typing import Sequence
 
 from omnilearn import __version__
 from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, MODES, OPTIMIZERS, ConfigError, TrainConfig, build,
-                              dump_toml, load_toml)
+                              dump_toml, load_toml, workers_from_speeds)
 from omnilearn.experiments.datasets.core import DATASETS
 from omnilearn.experiments.zoo.models import MODELS, is_language_model
 from omnilearn.experiments import preflight, restarts, whatif
@@ -36,6 +36,7 @@ from omnilearn.experiments.presets import load_preset, preset_names
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.balance.controllers import CONTROLLERS
 from omnilearn.distributed.group import device_problem, launched_by_torchrun, torchrun_world_size
+from omnilearn.emulation.speeds import speed_count
 from omnilearn.observe.rundir import RunDirError, prepare
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -113,7 +114,8 @@ def _train_parser(sub) -> None:
     add = p.add_argument
     add("--max-steps", type=int, help="stop after this many steps (default: all epochs; asp: steps x workers pushes)")
     add("--max-time-s", type=float, help="asp: stop after this many seconds of training")
-    add("--speeds", help="relative worker speeds, e.g. 4,2,1, or a level HL1/HL2/HL4/HL8 (default HL8 for 4 workers)")
+    add("--speeds", help="relative worker speeds, e.g. 4,2,1 (3 workers unless --workers says so), or a level "
+        "HL1/HL2/HL4/HL8 (default HL8 for 4 workers)")
     add("--speed-schedule", help="'paper' (HL1>2>4>8>8>4>2>1) or a TOML file of [[change]] at_step/at_epoch + speeds")
     add("--controller", choices=CONTROLLERS, help="model (default: fits t(b) = a + b*c per worker, equal finish "
         "times in one decision), omnilearn (the paper's proportional rule; the --mode asp default), static or uniform")
@@ -204,6 +206,8 @@ def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
             preset_values.pop("workers", None)  # torchrun's world size decides
         file_values = {**preset_values, **file_values, "preset": preset_values["preset"]}
         values.pop("preset", None)
+    if not launched_by_torchrun():  # torchrun's WORLD_SIZE decides: _torchrun_workers
+        workers_from_speeds(values, file_values)
     merged = {**file_values, **values}
     if merged.get("lr_schedule", TrainConfig.lr_schedule) != "multistep" and "milestones" not in values:
         file_values.pop("milestones", None)  # a preset's milestones do not outlive its schedule
@@ -251,6 +255,10 @@ def _torchrun_workers(values: dict, file_values: dict) -> int:
     if given is not None and given != workers:
         raise ConfigError(f"--workers {given} does not match torchrun's WORLD_SIZE {world}"
                           f"{' (one is the server)' if asp else ''}; drop --workers")
+    typed = speed_count(values.get("speeds"))
+    if typed is not None and typed != workers:
+        raise ConfigError(f"--speeds {values['speeds']} gives {typed} workers but torchrun's WORLD_SIZE {world} "
+                          f"gives {workers}{' (one is the server)' if asp else ''}; give one speed per worker")
     return workers
 
 
@@ -268,7 +276,6 @@ def _plots(path: Path) -> None:
 
 def train(args: argparse.Namespace) -> int:
     from omnilearn.experiments import workload
-    from omnilearn.experiments.workload import resolve
 
     cfg = _config(args)
     if restarts.torchrun_restart():  # a restarted torchrun rank continues the run in --out, whatever it holds
@@ -277,7 +284,7 @@ def train(args: argparse.Namespace) -> int:
             check(cfg)
     else:
         preflight.check(cfg)  # data layout, emulator, --out, process count: before anything is written or started
-    resolve(cfg, len(workload.check(cfg).train))  # fail fast (data, model, run length) before any process starts
+    steps = workload.look(cfg)  # fail fast (data, model, run length) before any process starts
     if launched_by_torchrun():
         return _train_torchrun(cfg, args)
     if cfg.resume:
@@ -285,8 +292,10 @@ def train(args: argparse.Namespace) -> int:
     else:
         run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
     server = " + a parameter server (asp)" if cfg.mode == "asp" else ""
-    print(f"omnilearn: {cfg.workers} workers{server}, speeds {cfg.speeds}, controller {cfg.controller}, "
-          f"global batch {cfg.global_batch}, run directory {run_dir}", flush=True)
+    speeds = f"speed schedule {cfg.speed_schedule}" if cfg.speed_schedule else f"speeds {cfg.speeds}"
+    workers = f"{cfg.workers} worker{'s' if cfg.workers > 1 else ''}{server}"
+    print(f"omnilearn: {workers}, {speeds}, controller {cfg.controller}, global batch {cfg.global_batch}, "
+          f"{steps} steps, run directory {run_dir}", flush=True)
     restarts.run_local_with_restarts(cfg, run_dir)
     if getattr(args, "plots", True):
         _plots(run_dir)

@@ -13,13 +13,13 @@ from typing import Any, ClassVar, Mapping
 
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.config import AUTO, DEVICES, EMULATORS, BalanceConfig, ConfigError, check_positive, dump_toml
-from omnilearn.emulation.speeds import ASP_LEVELS, BSP_LEVELS
+from omnilearn.emulation.speeds import ASP_LEVELS, BSP_LEVELS, speed_count
 from omnilearn.experiments.datasets.core import DATASETS
 from omnilearn.experiments.zoo.models import LANGUAGE_MODELS, MODELS, is_language_model
 from omnilearn.tomlfile import read_toml
 
 __all__ = ["ASP_DEFAULTS", "DEVICES", "EMULATORS", "LANGUAGE_MODEL_DEFAULTS", "LR_SCHEDULES", "MODES", "OPTIMIZERS",
-           "ConfigError", "TrainConfig", "build", "dump_toml", "load_toml", "normalise_keys"]
+           "ConfigError", "TrainConfig", "build", "dump_toml", "load_toml", "normalise_keys", "workers_from_speeds"]
 
 OPTIMIZERS = ("sgd", "adamw")
 # What the CLI starts from for a language model, under a preset, --config and flags: a CPU-friendly run.
@@ -193,3 +193,20 @@ def build(file_values: Mapping[str, Any], cli_values: Mapping[str, Any]) -> Trai
         raise ConfigError(str(e)) from None
 
 
+def workers_from_speeds(values: dict[str, Any], file_values: Mapping[str, Any]) -> None:
+    """A comma list of n speeds means n workers unless ``--workers`` says otherwise; typed both, they must agree.
+
+    ``values``: the flags as typed (``workers`` is set here when inferred); ``file_values``: a config file's,
+    a preset's or a resumed run's. Speeds among the flags set the workers over a file's; a level (HL8)
+    names no count (the default stays 4 workers). Not under torchrun, whose WORLD_SIZE decides.
+    """
+    typed = values.get("speeds")
+    n = speed_count(typed if "speeds" in values else file_values.get("speeds"))
+    if n is None:
+        return
+    given = values.get("workers")
+    if given is None and ("speeds" in values or "workers" not in file_values):
+        values["workers"] = n
+    elif given is not None and speed_count(typed) not in (None, given):
+        raise ConfigError(f"--speeds {typed} gives {n} workers but --workers is {given}; give one speed per worker, "
+                          f"or drop --workers ({n} speeds start {n} workers)")

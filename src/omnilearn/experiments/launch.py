@@ -24,6 +24,10 @@ each rank once) and die with the launcher (parent-death signal, Linux).
 What the launcher does when a rank exits, stops, hangs or fails -- and why
 a dead ASP worker does not end the run -- is :mod:`omnilearn.experiments.supervise`.
 
+Start-up progress (not when ``quiet``): the launcher says which processes it
+starts, rank 0 how long they took to come up and join (each starts Python
+and imports PyTorch: seconds, more on a loaded machine); the trainer goes on.
+
 Run: ``python -m pytest -q tests/faults/test_stops.py tests/faults/test_asp_faults.py tests/dist/test_bsp.py``
 """
 
@@ -37,6 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +54,8 @@ from omnilearn.distributed import group
 from omnilearn.distributed.watchdog import (SERVER, Watchdog, exit_on_lost, rank_name, read_error_logs,
                                             start_watchdog, write_error_log)
 from omnilearn.experiments.config import TrainConfig
+from omnilearn.observe.console import startup, took
+from omnilearn.runplan import SpeedScheduleWarning
 from omnilearn.experiments.supervise import (PIDS_FILE, Interrupted, Rules, SignalTrap, WorkerFailed, Workers, outcome,
                                              supervise)
 
@@ -103,15 +110,24 @@ def first_failure(run_dir: Path) -> tuple[int, str] | None:
 
 # ------------------------------------------------------------------ one rank
 def _run_rank(join: Callable[[], group.DistContext], rank: int, jobs: Sequence[Job], log_dir: Path | None,
-              watch_early: Callable[[], Watchdog] | None = None, gate: dist.Store | None = None) -> None:
+              watch_early: Callable[[], Watchdog] | None = None, gate: dist.Store | None = None,
+              started_at: float | None = None) -> None:
     """Watch the peers (before joining with ``watch_early``, else after), join, run the jobs; log errors, not stops.
 
     ``gate``: a store every rank shares, for ASP ranks to move on between jobs (:func:`_between_asp_jobs`).
+    ``started_at``: when the launcher started the processes (``time.time()``), for rank 0's start-up line.
     """
     watchdog = None
+    warnings.simplefilter("ignore", SpeedScheduleWarning)  # the launcher (torchrun: rank 0) said it, in flags
     try:
         watchdog = watch_early() if watch_early else None
+        joining = time.time()
         ctx = join()
+        if ctx.is_main:
+            since = f"up and joined in {took(time.time() - started_at)}" if started_at else \
+                f"joined in {took(time.time() - joining)}"
+            n = ctx.world_size
+            startup(f"{n} process{'es' if n > 1 else ''} {since} ({ctx.backend}, {ctx.device.type})", jobs[0].cfg.quiet)
         watchdog = watchdog or start_watchdog(ctx, jobs[0].cfg.heartbeat_s, log_dir, mode=mode_of(jobs[0]))
         for k, job in enumerate(jobs):
             _run_job(job, ctx)
@@ -149,7 +165,8 @@ def _log_failure(log_dir: Path | None, rank: int, e: BaseException, mode: str) -
               f"(disk full?): {cause}", file=sys.stderr, flush=True)
 
 
-def _spawned(local_rank: int, jobs: Sequence[Job], log_dir: Path, store: str, launcher_pid: int) -> None:
+def _spawned(local_rank: int, jobs: Sequence[Job], log_dir: Path, store: str, launcher_pid: int,
+             started_at: float | None = None) -> None:
     """A local worker: die with the launcher, stop on signals, beat from the start (own store file), then join."""
     _die_with_launcher(launcher_pid, local_rank)
     stopping.install_handlers()
@@ -166,7 +183,7 @@ def _spawned(local_rank: int, jobs: Sequence[Job], log_dir: Path, store: str, la
 
     try:
         gate = dist.FileStore(f"{store}/jobs", n) if len(jobs) > 1 and mode_of(jobs[0]) == "asp" else None
-        _run_rank(join, local_rank, jobs, log_dir, watch, gate)
+        _run_rank(join, local_rank, jobs, log_dir, watch, gate, started_at)
     except stopping.Stopped:
         sys.exit(_stop_code())
     except SystemExit:
@@ -216,7 +233,9 @@ def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
         if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local workers talk over loopback only (the trust model)
         try:
-            workers.start(processes(jobs[0].cfg), _spawned, (list(jobs), log_dir, store, os.getpid()), log_dir, trap)
+            startup(f"starting {_describe(jobs[0].cfg)} ...", jobs[0].cfg.quiet)
+            args = (list(jobs), log_dir, store, os.getpid(), time.time())
+            workers.start(processes(jobs[0].cfg), _spawned, args, log_dir, trap)
             interrupted, failed = supervise(workers, trap, rules)
         finally:
             workers.kill("as the launcher failed")  # none left but after an error in the launcher itself
@@ -249,6 +268,19 @@ def run_torchrun(jobs: Sequence[Job], log_dir: Path | None) -> None:
     cfg = jobs[0].cfg
     _run_rank(lambda: group.init_from_torchrun(cfg.device, cfg.timeout_s, _backend(cfg)), int(os.environ["RANK"]),
               jobs, log_dir)
+
+
+def _describe(cfg: TrainConfig) -> str:
+    """``4 worker processes (gloo, cpu; speeds emulated by delay)``: what the launcher starts."""
+    n = processes(cfg)
+    device = group.pick_device(cfg.device, 0, n).type
+    backend = _backend(cfg) or ("nccl" if device == "cuda" else "gloo")
+    plural = "s" if cfg.workers > 1 else ""
+    who = f"a parameter server and {cfg.workers} worker{plural}" if cfg.mode == "asp" else \
+        f"{n} worker process{'es' if plural else ''}"
+    varied = cfg.speed_schedule is not None or len(set(cfg.declared_speeds)) > 1
+    emulated = f"; speeds emulated by {cfg.emulator}" if cfg.emulator != "none" and varied else ""
+    return f"{who} ({backend}, {device}{emulated})"
 
 
 def _backend(cfg: TrainConfig) -> str | None:

@@ -7,7 +7,10 @@ micro-batches when that is above 1), ``run_step()`` runs each micro-batch's
 forward and weighted backward within this rank's memory cap (an
 out-of-memory error lowers the cap and redoes the step: docs/memory.md),
 ``step()`` ends the optimizer step and feeds the controller.
-One evaluation over the test split per epoch.
+One evaluation over the test split per epoch. Rank 0 says how long its
+start-up took (data, model and DDP set-up) and when training starts (not
+when ``quiet``); the first progress line follows at the first control-interval end,
+and a first step slower than :data:`SLOW_FIRST_STEP_S` gets a line of its own.
 
 Checkpoints (``RUN_DIR/checkpoints``, the newest ``--keep-checkpoints``):
 at the first control-interval end at or after every ``--checkpoint-every``
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from omnilearn.bsp.session import Session
 from omnilearn.stopping import Stopped, reason
@@ -43,11 +47,17 @@ from omnilearn.experiments import workload
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.datasets import core as data
 from omnilearn.experiments.workload import PREFETCH_FACTOR, resolve
+from omnilearn.observe.console import startup, took
+
+
+SLOW_FIRST_STEP_S = 2.0  # a first step this slow is reported at once (the first progress line may be far off)
 
 
 class BSPTrainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) -> None:
         self.cfg, self.ctx = cfg, ctx
+        self.first_step_at: float | None = None  # set when fit() starts, cleared after the first step
+        start = time.perf_counter()
         splits = workload.load_data(cfg)
         self.test = splits.test
         self.run = resolve(cfg, len(splits.train))
@@ -56,7 +66,10 @@ class BSPTrainer:
             splits.train, num_workers=cfg.loader_workers, collate_fn=data.keep_batch,
             prefetch_factor=PREFETCH_FACTOR if cfg.loader_workers > 0 else None,
         )
+        loaded = time.perf_counter()
         self.model = self.session.wrap_model(workload.build_model(cfg, splits))
+        self._say(f"rank 0: data loaded in {took(loaded - start)}; model ready on {ctx.device.type}"
+                  f"{' in DDP' if isinstance(self.model, DDP) else ''} in {took(time.perf_counter() - loaded)}")
         self.opt = workload.make_optimizer(cfg, self.model.parameters())
         self.lr_sched = workload.make_schedule(cfg, self.opt, self.run.total_steps, self.run.steps_per_epoch)
         self.checkpoints = run_dir / "checkpoints" if run_dir is not None else Path("checkpoints")
@@ -77,12 +90,23 @@ class BSPTrainer:
             self.session.telemetry.loaded(time.perf_counter() - start)
         return loaded
 
+    def _say(self, text: str) -> None:
+        """A start-up line from rank 0 (nothing elsewhere or when quiet)."""
+        if self.ctx.is_main:
+            startup(text, self.cfg.quiet)
+
     def fit(self) -> dict | None:
+        run, first = self.run, self.session.next_step
+        verb = f"resumes at step {first} of" if first else "starts:"
+        self._say(f"training {verb} {run.total_steps} steps, {run.steps_per_epoch} per epoch; a progress line every "
+                  f"{self.cfg.control_interval} steps (the control interval)")
+        self.first_step_at = time.perf_counter()
         try:
             for epoch in range(self.session.epoch, self.run.epochs):
                 self.loader.set_epoch(epoch)
                 for batch in self.loader:
                     self._step(batch)
+                    self._first_step_done()
                     self._maybe_checkpoint()
                 with self.session.paused():
                     self.session.sync_buffers()
@@ -91,6 +115,14 @@ class BSPTrainer:
             return self.session.finish()
         finally:
             self.session.release()
+
+    def _first_step_done(self) -> None:
+        if self.first_step_at is None:
+            return
+        took_s, self.first_step_at = time.perf_counter() - self.first_step_at, None
+        if took_s >= SLOW_FIRST_STEP_S:
+            self._say(f"first step done in {took(took_s)} (the first is the slowest); a progress line every "
+                      f"{self.cfg.control_interval} steps")
 
     def _step(self, batch) -> None:
         self.opt.zero_grad(set_to_none=True)

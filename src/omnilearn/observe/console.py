@@ -2,7 +2,10 @@
 
 On a terminal the progress line rewrites itself in place; in a log (CI, a
 pipe) each update is its own line. Machine-readable output lives in the run
-directory, never here.
+directory, never here. Before training, :func:`startup` says what the
+launcher and rank 0 are doing (one line per start-up phase, with how long it
+took: :func:`took`); :func:`warn` is the one-line ``omnilearn: warning:`` on
+stderr for a run that goes on.
 
 Run its tests: ``python -m pytest -q tests/unit/test_recorder.py``
 """
@@ -21,6 +24,26 @@ def _ms(seconds: float) -> str:
 
 def _batches(batches: Sequence[int]) -> str:
     return "/".join(str(b) for b in batches)
+
+
+def took(seconds: float) -> str:
+    """A phase's duration for a start-up line: ``0.03 s``, ``2.3 s``, ``41 s``."""
+    return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+
+
+def startup(text: str, quiet: bool = False, stream: TextIO | None = None) -> None:
+    """One start-up progress line, ``omnilearn: <text>``, flushed at once; nothing when ``quiet``.
+
+    Call it from the launcher or rank 0 only, once per start-up phase.
+    """
+    Console(stream, quiet).line(f"omnilearn: {text}")
+
+
+def warn(text: str, stream: TextIO | None = None) -> None:
+    """``omnilearn: warning: <text>`` as one line on stderr (the run goes on); printed even when quiet."""
+    out = stream or sys.stderr
+    out.write(f"omnilearn: warning: {' '.join(text.split())}\n")
+    out.flush()
 
 
 class Console:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Sequence
 
 from omnilearn.experiments.report.aspruns import AspRunData, Series
-from omnilearn.experiments.report.plots import ARM_COLORS, SIZE, mark_events, plt, point_marker, save_figure
+from omnilearn.experiments.report.plots import (ARM_COLORS, SIZE, mark_events, plt, point_marker, save_figure,
+                                                start_speeds, worker_label)
 from omnilearn.experiments.report.records import WINDOW
 
 COLORS = {**ARM_COLORS, "bsp": "tab:green"}
@@ -24,13 +25,21 @@ def _legend(ax) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
 
 
+def _labels(data: AspRunData) -> dict[int, str]:
+    """``worker 1 (speed 1/7)``: each worker with its declared speed at the start, relative to the fastest."""
+    speeds = start_speeds(data.summary)
+    return {r: worker_label(f"worker {r}", r, speeds, bool(data.speed_changes)) for r in data.ranks}
+
+
 def worker_series(path: Path, data: AspRunData, series: Series, ylabel: str, title: str, step: bool = False) -> Path:
     """One line per worker over training time (``step``: held until the next value, e.g. batch sizes)."""
     fig, ax = plt.subplots(figsize=SIZE)
+    labels = _labels(data)
     for rank, (xs, ys) in sorted(series.items()):
         draw = ax.step if step else ax.plot
         kwargs = {"where": "post"} if step else {}
-        draw(xs, ys, color=f"C{rank % 10}", marker=point_marker(len(xs)), linewidth=1.6, label=f"worker {rank}", **kwargs)
+        draw(xs, ys, color=f"C{rank % 10}", marker=point_marker(len(xs)), linewidth=1.6,
+             label=labels.get(rank, f"worker {rank}"), **kwargs)
     mark_events(ax, data)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel(ylabel)
@@ -43,9 +52,11 @@ def worker_series(path: Path, data: AspRunData, series: Series, ylabel: str, tit
 
 def cycle_compute(path: Path, data: AspRunData, cycle_ms: Series, compute_ms: Series) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    labels = _labels(data)
     for ax, series, what in ((top, cycle_ms, "cycle: pull + compute + push"), (bottom, compute_ms, "compute")):
         for rank, (xs, ys) in sorted(series.items()):
-            ax.plot(xs, ys, color=f"C{rank % 10}", marker=point_marker(len(xs)), linewidth=1.6, label=f"worker {rank}")
+            ax.plot(xs, ys, color=f"C{rank % 10}", marker=point_marker(len(xs)), linewidth=1.6,
+                    label=labels.get(rank, f"worker {rank}"))
         mark_events(ax, data, annotate=ax is top)
         ax.set_ylabel(f"{what} (ms)", fontsize=9)
         ax.set_ylim(bottom=0)
@@ -58,8 +69,10 @@ def cycle_compute(path: Path, data: AspRunData, cycle_ms: Series, compute_ms: Se
 
 def update_rate(path: Path, data: AspRunData, centres: Sequence[float], rates: dict[int, list[float]]) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
+    labels = _labels(data)
     for rank, ys in sorted(rates.items()):
-        ax.plot(centres, ys, color=f"C{rank % 10}", marker=point_marker(len(centres)), linewidth=1.6, label=f"worker {rank}")
+        ax.plot(centres, ys, color=f"C{rank % 10}", marker=point_marker(len(centres)), linewidth=1.6,
+                label=labels.get(rank, f"worker {rank}"))
     mark_events(ax, data)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("updates pushed per second")

@@ -11,8 +11,9 @@ Tests:  python -m pytest -q tests/unit/test_report.py
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import matplotlib
 
@@ -28,6 +29,10 @@ DPI = 110
 SIZE = (9, 5)
 ARM_COLORS = {"uniform": "tab:gray", "static": "tab:orange", "omnilearn": "tab:blue", "ddp": "tab:green",
               "model": "tab:purple"}
+# Event marks stay out of the workers' palette (C0..C9): black dashed for a speed change, grey dotted for an
+# applied controller change.
+SPEED_MARK = {"color": "black", "linestyle": "--", "linewidth": 1.2}
+CONTROLLER_MARK = {"color": "0.45", "linestyle": ":", "linewidth": 1.5}
 
 
 def save_figure(fig, path: Path) -> Path:
@@ -43,35 +48,76 @@ def point_marker(n: int) -> str | None:
     return "o" if n < 3 else None
 
 
+def relative_speed(speed: float, fastest: float) -> str:
+    """``speed`` as a fraction of the fastest worker's: ``1``, ``1/3``, ``3/16``, or ``0.37`` when no short one fits."""
+    ratio = speed / fastest
+    short = Fraction(ratio).limit_denominator(16)
+    return str(short) if abs(float(short) - ratio) < 1e-6 else f"{ratio:.2f}"
+
+
 def _speed_text(speeds: Sequence[float]) -> str:
-    return "speeds " + "/".join(f"{s:g}" for s in speeds)
+    return "speeds " + ", ".join(relative_speed(s, max(speeds)) for s in speeds)
+
+
+def start_speeds(summary: dict[str, Any] | None) -> list[float] | None:
+    """The declared speeds at step 0 from ``summary.json`` (its first speed change, else its declared speeds)."""
+    summary = summary or {}
+    changes = summary.get("speed_changes")
+    if isinstance(changes, list) and changes and isinstance(changes[0], dict) and changes[0].get("step", 0) == 0:
+        speeds = changes[0].get("speeds")
+    else:
+        speeds = summary.get("declared_speeds")
+    ok = isinstance(speeds, list) and speeds and all(isinstance(v, (int, float)) and v > 0 for v in speeds)
+    return [float(v) for v in speeds] if ok else None
+
+
+def worker_label(name: str, index: int, speeds: Sequence[float] | None, changed: bool) -> str:
+    """``rank 1 (speed 1/3)``: a worker's legend entry with its declared speed relative to the fastest."""
+    if not speeds or not 0 <= index < len(speeds):
+        return name
+    return f"{name} (speed {relative_speed(speeds[index], max(speeds))}{' at start' if changed else ''})"
+
+
+def rank_labels(data: RunData) -> dict[int, str]:
+    """Legend entries of a BSP run's ranks, with their declared speeds at step 0 where the summary has them."""
+    speeds = start_speeds(data.summary)
+    return {r: worker_label(f"rank {r}", r, speeds, bool(data.speed_changes)) for r in data.ranks}
 
 
 def mark_events(ax, data: RunData, annotate: bool = True) -> None:
-    """Dashed lines at speed changes (annotated with the new speeds), dotted at applied rebalances."""
+    """Black dashed lines at speed changes (annotated with the new relative speeds), grey dotted at applied
+    controller changes: neutral marks, none of the workers' colours, each with one legend entry."""
     top = blended_transform_factory(ax.transData, ax.transAxes)
     for k, (step, speeds) in enumerate(data.speed_changes):
-        ax.axvline(step, color="black", linestyle="--", linewidth=1, label="speed change" if k == 0 else None)
+        ax.axvline(step, **SPEED_MARK, label="speed change" if k == 0 else None)
         if annotate:
             ax.annotate(_speed_text(speeds), xy=(step, 0.98), xycoords=top, xytext=(3, 0), textcoords="offset points",
                         rotation=90, va="top", ha="left", fontsize=8,
                         bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     for k, step in enumerate(data.rebalances):
-        ax.axvline(step, color="tab:red", linestyle=":", linewidth=1.2, label="controller change" if k == 0 else None)
+        ax.axvline(step, **CONTROLLER_MARK, label="controller change applied" if k == 0 else None)
+
+
+def _marks_note(data: RunData) -> str:
+    marks = (["dashed: speed change"] if data.speed_changes else []) + \
+        (["dotted: controller change applied"] if data.rebalances else [])
+    return f" ({', '.join(marks)})" if marks else ""
 
 
 def batches(path: Path, data: RunData) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
     m = point_marker(len(data.steps))
-    for rank in data.ranks:
-        ax.step(data.steps, data.per_rank["batch"][rank], where="post", marker=m, linewidth=1.8,
-                label=f"rank {rank}")
+    labels = rank_labels(data)
+    wider = min(1.1, 3.5 / max(1, len(data.ranks) - 1))  # earlier ranks drawn wider: equal batches stay visible
+    for k, rank in enumerate(data.ranks):
+        ax.step(data.steps, data.per_rank["batch"][rank], where="post", marker=m, color=f"C{rank % 10}",
+                linewidth=1.5 + wider * (len(data.ranks) - 1 - k), label=labels[rank])
     mark_events(ax, data)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("local batch (samples)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
-    ax.set_title("Per-worker batch size (dashed: speed change, dotted: controller change applied)")
+    ax.set_title(f"Per-worker batch size{_marks_note(data)}\nspeed: declared, relative to the fastest worker")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     ax.grid(alpha=0.3)
     return save_figure(fig, path)
@@ -80,11 +126,12 @@ def batches(path: Path, data: RunData) -> Path:
 def compute_wait(path: Path, data: RunData, smooth: Callable[[Sequence[float]], list[float]]) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     m = point_marker(len(data.steps))
+    labels = rank_labels(data)
     for rank in data.ranks:
         color = f"C{rank % 10}"
         for ax, field in ((top, "compute_s"), (bottom, "wait_s")):
             ms = [v * 1e3 for v in data.per_rank[field][rank]]
-            ax.plot(data.steps, smooth(ms), color=color, marker=m, linewidth=1.6, label=f"rank {rank}")
+            ax.plot(data.steps, smooth(ms), color=color, marker=m, linewidth=1.6, label=labels[rank])
     for ax, what in ((top, "compute"), (bottom, "wait (sync)")):
         mark_events(ax, data, annotate=ax is top)
         ax.set_ylabel(f"{what} (ms)")
@@ -133,7 +180,7 @@ def loss_accuracy(path: Path, time_s: Sequence[float], loss: Sequence[float], ev
         acc.set_ylabel("test accuracy (%)")
         acc.set_ylim(0, 100)
     ax.set_title("Training loss and test accuracy over training time")
-    ax.legend(handles=handles, loc="center right", fontsize=9)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=9, frameon=False)
     return save_figure(fig, path)
 
 
