@@ -76,6 +76,7 @@ SHIFT_Z = 3.0  # standard errors a window must move, besides ``shift``, to count
 # of a 64-sample batch cannot clear a 5% deadband, so rounding flips at usual batch sizes are held
 # anyway), while a minimum of 2 would freeze small plans: 8 samples on 4 workers could never move.
 MIN_MOVE_SAMPLES = 1
+PIN_WINDOWS = 3  # decisions in a row a worker must sit at min_batch, still the slowest, to be warned about
 
 
 class ControlLoop:
@@ -105,7 +106,9 @@ class ControlLoop:
         bounds = getattr(controller, "bounds", None)
         self.caps = Caps(bounds) if bounds is not None else None
         self.guard = StepGuard(hold=history)
-        self.pinned: int | None = None  # a worker at min_batch that is still the slowest (the last decision's)
+        self.pinned: int | None = None  # a worker at min_batch still the slowest for PIN_WINDOWS decisions in a row
+        self.pin_rank: int | None = None
+        self.pin_run = 0
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -262,8 +265,10 @@ class ControlLoop:
                             "after taking a slower change back")
         proposal = self.controller.propose(Estimates(self.plan.copy(), times, stderr, self.history_pairs()))
         bounds = getattr(self.controller, "bounds", None)
-        self.pinned = None if bounds is None else pinned_low(proposal.batches, proposal.times_s, bounds.min_batch,
-                                                             self.deadband)
+        rank = None if bounds is None else pinned_low(self.plan, times, bounds.min_batch, 2 * self.deadband)
+        self.pin_run = self.pin_run + 1 if rank is not None and rank == self.pin_rank else int(rank is not None)
+        self.pin_rank = rank
+        self.pinned = rank if self.pin_run >= PIN_WINDOWS else None
         new = np.asarray(proposal.batches, dtype=np.int64)
         before, after = float(times.max()), float(np.max(proposal.times_s))
         gain = (before - after) / before

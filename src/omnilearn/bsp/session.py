@@ -91,9 +91,10 @@ from omnilearn.bsp.micro import MicroSteps
 from omnilearn.bsp.rng import rank_seed, seed_rank
 from omnilearn.bsp.steps import StepLedger
 from omnilearn.bsp.wrap import wrap
-from omnilearn.config import AUTO, BalanceConfig, ConfigError
+from omnilearn.config import AUTO, BalanceConfig, ConfigError, api_wording
 from omnilearn.data.loader import BalancedLoader, keep_batch
 from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
+from omnilearn.data.windows import IndexStream, WindowPlan
 from omnilearn.distributed import group
 from omnilearn.distributed.collect import average_buffers, sum_tensor
 from omnilearn.distributed.hooks import HookState
@@ -135,6 +136,7 @@ class Session(MemorySteps, IntervalEnds):
         self.steps_done = self.next_step = 0
         self.model: nn.Module | None = None
         self.loader: BalancedLoader | None = None
+        self.windows: IndexStream | None = None  # random_indices()'s draws
         self.run: RunPlan | None = None
         self.telemetry: Telemetry | None = None
         self.clock = TrainClock()
@@ -193,12 +195,8 @@ class Session(MemorySteps, IntervalEnds):
     def data_loader(self, dataset, *, num_workers: int = 0, collate_fn=None, pin_memory: bool | None = None,
                     prefetch_factor: int | None = None) -> BalancedLoader:
         """A loader over any map-style ``dataset``: each step, this rank's share of the global batch."""
-        if self.loader is not None:
-            raise RuntimeError("data_loader() was already called: one training loader per session")
         prefetch = (prefetch_factor or 2) if num_workers > 0 else 0
-        self.run = plan_run(self.cfg, len(dataset), self.total_steps, num_workers * prefetch)
-        self.loop.lag = self.run.lag
-        self.sampler.use_plan(GlobalPlan(len(dataset), self.cfg.global_batch, self.cfg.seed))
+        self._start_data(GlobalPlan(len(dataset), self.cfg.global_batch, self.cfg.seed), num_workers * prefetch)
         if collate_fn is None and getattr(dataset, "returns_batches", False):
             collate_fn = keep_batch
         # Its own generator: making an iterator (each epoch, and after a resume mid-epoch) then draws no number
@@ -209,11 +207,48 @@ class Session(MemorySteps, IntervalEnds):
             persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
         )
+        self.loader = BalancedLoader(loader, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
+        return self.loader
+
+    def random_indices(self, high: int) -> torch.Tensor:
+        """This rank's next micro-batch of random window starts in ``[0, high)`` (int64): nanoGPT's ``torch.randint``.
+
+        Step ``s`` draws ``B`` starts seeded by ``(seed, s)``; this rank takes its slice
+        (:mod:`omnilearn.data.windows`). Call it once per micro-batch (``accumulation_steps`` per step);
+        the first call of a step starts its clock; fetching the next batch ahead is fine.
+        """
+        if self.windows is None:
+            if type(high) is not int or high < 1:
+                raise ConfigError(f"random_indices({high!r}): high must be a positive int (e.g. len(data) - block)")
+            self._start_data(WindowPlan(high, self.cfg.global_batch, self.cfg.seed), 0, "random_indices() range")
+            self.loader = BalancedLoader(self.sampler, self.sampler, self.ledger.handed_out,
+                                         self.cfg.accumulation_steps)
+            self.windows = IndexStream(self.loader, high)
+        elif high != self.windows.high:
+            raise ConfigError(f"random_indices({high}) after random_indices({self.windows.high}): the range is fixed "
+                              "for a run; draw from one array")
+        return self.windows.next()
+
+    @property
+    def local_batch(self) -> int:
+        """This rank's batch in the next step handed out (what a loop that draws its own samples takes)."""
+        return self.batches[self.rank]
+
+    def _start_data(self, plan: GlobalPlan, prefetch_batches: int, what: str = "dataset") -> None:
+        """Plan the run over ``plan``'s data (one training data source per session); rank 0 starts the record."""
+        if self.loader is not None:
+            raise RuntimeError("data_loader() or random_indices() was already used: one training data source "
+                               "per session")
+        size = plan.dataset_len if what == "dataset" else max(plan.dataset_len, self.cfg.global_batch)
+        try:
+            self.run = plan_run(self.cfg, size, self.total_steps, prefetch_batches, what, warn=self.is_main)
+        except ConfigError as e:  # the API's user typed keywords, not flags
+            raise ConfigError(api_wording(str(e))) from None
+        self.loop.lag = self.run.lag
+        self.sampler.use_plan(plan)
         if self.is_main:
             self.telemetry = Telemetry(self.cfg, self.run, self.run_dir)
             self.restore_telemetry()
-        self.loader = BalancedLoader(loader, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
-        return self.loader
 
     def _start_step(self, step: int) -> None:
         """``step``'s clock is about to start: its speed emulation, weight and micro-batches."""
