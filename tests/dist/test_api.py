@@ -85,7 +85,7 @@ def test_misuse_gets_a_clear_error():
     ol = omnilearn.setup(global_batch=8, device="cpu")
     assert ol.batches == (8,)  # planned before any dataset
     loader = ol.data_loader(ListData())
-    with pytest.raises(RuntimeError, match="one training loader"):
+    with pytest.raises(RuntimeError, match="one training data source per session"):
         ol.data_loader(ListData())
     with pytest.raises(RuntimeError, match="without a batch"):
         ol.step()
