@@ -98,7 +98,7 @@ def test_misuse_gets_a_clear_error():
         next(batches)
     with pytest.raises(ConfigError, match="workers=3"):
         omnilearn.setup(workers=3, device="cpu")
-    with pytest.raises(ConfigError, match="global-batch"):
+    with pytest.raises(ConfigError, match="lower global_batch"):
         omnilearn.setup(global_batch=512, device="cpu").data_loader(ListData(96))
 
 

@@ -196,7 +196,7 @@ class Session(MemorySteps, IntervalEnds):
                     prefetch_factor: int | None = None) -> BalancedLoader:
         """A loader over any map-style ``dataset``: each step, this rank's share of the global batch."""
         prefetch = (prefetch_factor or 2) if num_workers > 0 else 0
-        self._start_data(GlobalPlan(len(dataset), self.cfg.global_batch, self.cfg.seed), num_workers * prefetch)
+        self._start_data(GlobalPlan, len(dataset), num_workers * prefetch)
         if collate_fn is None and getattr(dataset, "returns_batches", False):
             collate_fn = keep_batch
         # Its own generator: making an iterator (each epoch, and after a resume mid-epoch) then draws no number
@@ -220,7 +220,7 @@ class Session(MemorySteps, IntervalEnds):
         if self.windows is None:
             if type(high) is not int or high < 1:
                 raise ConfigError(f"random_indices({high!r}): high must be a positive int (e.g. len(data) - block)")
-            self._start_data(WindowPlan(high, self.cfg.global_batch, self.cfg.seed), 0, "random_indices() range")
+            self._start_data(WindowPlan, high, 0, "random_indices() range")
             self.loader = BalancedLoader(self.sampler, self.sampler, self.ledger.handed_out,
                                          self.cfg.accumulation_steps)
             self.windows = IndexStream(self.loader, high)
@@ -234,18 +234,18 @@ class Session(MemorySteps, IntervalEnds):
         """This rank's batch in the next step handed out (what a loop that draws its own samples takes)."""
         return self.batches[self.rank]
 
-    def _start_data(self, plan: GlobalPlan, prefetch_batches: int, what: str = "dataset") -> None:
-        """Plan the run over ``plan``'s data (one training data source per session); rank 0 starts the record."""
+    def _start_data(self, plan_type: type[GlobalPlan], size: int, prefetch_batches: int, what: str = "dataset") -> None:
+        """Plan the run over ``size`` samples (one training data source per session); rank 0 starts the record."""
         if self.loader is not None:
             raise RuntimeError("data_loader() or random_indices() was already used: one training data source "
                                "per session")
-        size = plan.dataset_len if what == "dataset" else max(plan.dataset_len, self.cfg.global_batch)
         try:
-            self.run = plan_run(self.cfg, size, self.total_steps, prefetch_batches, what, warn=self.is_main)
+            self.run = plan_run(self.cfg, size if plan_type is GlobalPlan else max(size, self.cfg.global_batch),
+                                self.total_steps, prefetch_batches, what, warn=self.is_main)
         except ConfigError as e:  # the API's user typed keywords, not flags
             raise ConfigError(api_wording(str(e))) from None
         self.loop.lag = self.run.lag
-        self.sampler.use_plan(plan)
+        self.sampler.use_plan(plan_type(size, self.cfg.global_batch, self.cfg.seed))
         if self.is_main:
             self.telemetry = Telemetry(self.cfg, self.run, self.run_dir)
             self.restore_telemetry()
