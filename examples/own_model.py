@@ -5,7 +5,9 @@
     python examples/own_model.py                # one process, no process group
 
 A plain DDP script differs in the lines marked ``# OmniLearn``: set-up,
-model wrapping, the data loader, the backward call and one call per step.
+the device, model wrapping, the data loader, the backward call, one call
+per step, an optional evaluation record, the summary and the close.
+OmniLearn lines: 10.
 Model, dataset, loss, optimizer and LR schedule are ordinary PyTorch.
 ``--speeds 3,1`` emulates a worker three times slower than the other, so the
 controller has something to balance: watch the "rebalance" lines.
@@ -77,6 +79,7 @@ def main() -> None:
 
     ol = omnilearn.setup(global_batch=args.global_batch, speeds=args.speeds, control_interval=10,  # OmniLearn
                          accumulation_steps=args.accumulation_steps, out=args.out, overwrite=True)
+    device = ol.device  # OmniLearn: was torch.device(f"cuda:{local_rank}")
     train, test = MajorityToken(4096, seed=1), MajorityToken(1024, seed=2)
     torch.manual_seed(0)  # the same initial weights (DDP would also copy rank 0's)
     model = ol.wrap_model(TransformerClassifier())  # OmniLearn: instead of DDP(model); then seeds RNGs per rank
@@ -89,21 +92,18 @@ def main() -> None:
             micro_batches = batch if args.accumulation_steps > 1 else [batch]  # K micro-batches, or the batch
             optimizer.zero_grad()
             for x, y in micro_batches:
-                x, y = x.to(ol.device), y.to(ol.device)
+                x, y = x.to(device), y.to(device)
                 ol.backward(F.cross_entropy(model(x), y))  # OmniLearn: instead of loss.backward()
             optimizer.step()
             schedule.step()
             ol.step()  # OmniLearn: times the step; every 10 steps the controller may move batches
-        with ol.paused():
-            ol.sync_buffers()
-            test_loss, acc = evaluate(ol.module, test, ol.device)
-        ol.log_eval(test_loss, acc, epoch)
-        if ol.is_main:
-            print(f"epoch {epoch}: this worker's batch {ol.batches[ol.rank]}, test accuracy {acc:.1%}")
+        test_loss, acc = evaluate(model, test, device)
+        ol.log_eval(test_loss, acc, epoch)  # OmniLearn: optional, the accuracy goes into the run directory
 
     summary = ol.finish()  # OmniLearn: summary on rank 0, run directory if --out
     if summary is not None:
-        print(f"final batches {ol.batches}, {summary['rebalances']} rebalances, "
+        batches = [round(w["mean_batch"]) for w in summary["workers"]]
+        print(f"final batches {batches}, test accuracy {summary['test_accuracy']:.1%}, {summary['rebalances']} rebalances, "
               f"balance efficiency {summary['balance_efficiency']:.2f}")
     ol.close()  # OmniLearn: leaves the process group
 

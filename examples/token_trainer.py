@@ -9,7 +9,7 @@ array (``np.memmap`` of uint16 from ``--data FILE``, or a structured corpus
 generated here), gradient accumulation over ``--accumulation-steps``
 micro-batches, ``torch.autocast`` (``--amp``: bfloat16), gradient clipping,
 a checkpoint every ``--checkpoint-every`` steps and ``--resume``.
-OmniLearn lines: 12 (marked ``# OmniLearn``): ``random_indices`` replaces
+OmniLearn lines: 14 (marked ``# OmniLearn``): ``random_indices`` replaces
 ``torch.randint`` (the step's draw of B windows, this worker's slice),
 ``ol.backward`` replaces ``loss.backward`` (each micro-batch weighted
 exactly), ``batch_multiple=8`` keeps batch shapes few for ``--compile``,
@@ -75,6 +75,7 @@ def main() -> None:
     ol = omnilearn.setup(global_batch=args.global_batch, accumulation_steps=args.accumulation_steps,  # OmniLearn
                          batch_multiple=8, speeds=args.speeds, control_interval=10, total_steps=args.max_steps,
                          out=args.out, overwrite=True)
+    device = ol.device  # OmniLearn: was torch.device(f"cuda:{local_rank}")
     data = corpus(args.data)
     vocab = int(data.max()) + 1
 
@@ -82,7 +83,7 @@ def main() -> None:
         ix = ol.random_indices(len(data) - args.block)  # OmniLearn: was torch.randint(len(data) - block, (b,))
         x = torch.stack([torch.from_numpy(data[i:i + args.block].astype(np.int64)) for i in ix.tolist()])
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + args.block].astype(np.int64)) for i in ix.tolist()])
-        return x.to(ol.device), y.to(ol.device)
+        return x.to(device), y.to(device)
 
     torch.manual_seed(0)
     model = ol.wrap_model(GPT(vocab, args.block))  # OmniLearn: was DDP(model)
@@ -92,9 +93,9 @@ def main() -> None:
     if args.resume:
         ol.load_checkpoint(checkpoints, model=raw, optimizer=optimizer)  # OmniLearn: was torch.load(...)
     step_model = torch.compile(model, dynamic=True) if args.compile else model
-    autocast = torch.autocast(ol.device.type, dtype=torch.bfloat16, enabled=args.amp)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp)
 
-    x, y = get_batch() if ol.next_step < args.max_steps else (None, None)
+    x, y = get_batch() if ol.next_step < args.max_steps else (None, None)  # OmniLearn: was iter_num
     for step in range(ol.next_step, args.max_steps):  # OmniLearn: was range(iter_num, ...) from the checkpoint
         lr = args.lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / args.max_steps))
         for group in optimizer.param_groups:
@@ -115,7 +116,8 @@ def main() -> None:
 
     summary = ol.finish()  # OmniLearn: summary on rank 0
     if summary is not None:
-        print(f"final batches {ol.batches}, loss {summary['final_train_loss']:.3f}, "
+        batches = [round(w["mean_batch"]) for w in summary["workers"]]
+        print(f"final batches {batches}, loss {summary['final_train_loss']:.3f}, "
               f"balance efficiency {summary['balance_efficiency']:.2f}")
     ol.close()  # OmniLearn: leaves the process group
 

@@ -19,9 +19,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 200
-# Written by other work that lands with this test; required to exist like any other link target:
-# examples/hf_transformers.py, examples/token_trainer.py, examples/lightning_example.py,
-# docs/data.md, docs/lightning.md.
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")

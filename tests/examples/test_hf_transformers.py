@@ -1,0 +1,20 @@
+"""``examples/hf_transformers.py`` (a GPT-2 built from a local config) under torchrun, rank 1 emulated 3x slower.
+
+Run: ``python -m pytest -q tests/examples/test_hf_transformers.py``
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runexample import assert_balanced_and_learning, torchrun
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.dist
+
+
+def test_hf_example_rebalances_and_learns(tmp_path):
+    out = tmp_path / "run"
+    done = torchrun("hf_transformers.py", "--speeds", "3,1", "--out", str(out))
+    summary = assert_balanced_and_learning(out)
+    assert summary["rebalances"] >= 1 and "final batches" in done.stdout
