@@ -3,7 +3,7 @@
 One process: training follows the plan's global batches; misuse errors;
 ``local_batch``; loops that prefetch, peek, break and ``set_epoch``. Two
 gloo ranks in the user's own group: unequal batches follow emulated
-speeds, buffers and weights agree, dropout differs per rank, a shared
+speeds (also with small batches, and from an ``IterableDataset`` stream), buffers and weights agree, dropout differs per rank, a shared
 setting that differs is named (paths are not compared), each control
 interval costs one ``2 x 7`` all-gather and the step rows go to rank 0
 only, and ranks out of step (``sync_buffers()`` on one rank) get a clear
@@ -43,6 +43,16 @@ class ListData(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         return self.x[i], self.y[i]
+
+
+class Shard(torch.utils.data.IterableDataset):
+    """A stream: every other item of ``data``, from ``rank`` on (each rank reads its own shard)."""
+
+    def __init__(self, data: ListData, rank: int) -> None:
+        self.data, self.rank = data, rank
+
+    def __iter__(self):
+        return (self.data[i] for i in range(self.rank, len(self.data), 2))
 
 
 def test_single_process_trains_on_the_global_batches_in_plan_order():
@@ -252,6 +262,15 @@ def _two_rank_worker(rank: int, store: str, out: str) -> None:
         _train_step(small, small_model, small_opt, x, y)
     small.finish()
     result.update(small_batches=small.batches, small_min=small.cfg.min_batch)
+    # A stream (IterableDataset), one shard per rank: each step takes this rank's b_i items, in lockstep (the
+    # shards of 240 run dry and are reopened).
+    stream = omnilearn.setup(global_batch=16, speeds="3,1", control_interval=4, total_steps=96, device="cpu")
+    stream_model = stream.wrap_model(nn.Linear(6, 3))
+    stream_opt = torch.optim.SGD(stream_model.parameters(), lr=0.05)
+    for x, y in stream.data_loader(Shard(ListData(480), rank)):
+        _train_step(stream, stream_model, stream_opt, x, y)
+    stream.finish()
+    result.update(stream_batches=stream.batches, stream_steps=stream.steps_done)
     # Out of step: rank 1 ends a control interval while rank 0 calls sync_buffers(): both are told.
     other = omnilearn.setup(global_batch=48, control_interval=3, device="cpu")
     other.wrap_model(BNNet())
@@ -279,6 +298,8 @@ def test_existing_group_batches_buffers_seeds_settings_and_traffic(tmp_path):
     assert a["batches"] == b["batches"] and sum(a["batches"]) == 48
     assert a["batches"][0] > a["batches"][1]  # the emulated 3x slower worker got the smaller batch
     assert a["small_min"] == 2 and a["small_batches"] == b["small_batches"]
+    assert a["stream_steps"] == b["stream_steps"] == 96 and a["stream_batches"] == b["stream_batches"]
+    assert a["stream_batches"][0] > a["stream_batches"][1], a["stream_batches"]
     assert a["small_batches"][0] >= 10 > a["small_batches"][1], a["small_batches"]  # moved off 8/8
     assert not torch.equal(a["mask"], b["mask"])  # dropout differs between ranks
     for key in ("buffers", "params"):

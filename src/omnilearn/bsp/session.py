@@ -77,7 +77,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from omnilearn.balance.allocation import Bounds
 from omnilearn.balance.controllers import make_controller
@@ -94,6 +94,7 @@ from omnilearn.bsp.wrap import wrap
 from omnilearn.config import AUTO, BalanceConfig, ConfigError, api_wording
 from omnilearn.data.loader import BalancedLoader, keep_batch
 from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
+from omnilearn.data.stream import StreamBatches, StreamPlan
 from omnilearn.data.windows import IndexStream, WindowPlan
 from omnilearn.distributed import group
 from omnilearn.distributed.collect import average_buffers, sum_tensor
@@ -194,7 +195,12 @@ class Session(MemorySteps, IntervalEnds):
 
     def data_loader(self, dataset, *, num_workers: int = 0, collate_fn=None, pin_memory: bool | None = None,
                     prefetch_factor: int | None = None) -> BalancedLoader:
-        """A loader over any map-style ``dataset``: each step, this rank's share of the global batch."""
+        """A loader over a map-style ``dataset`` or an ``IterableDataset``: each step, this rank's share.
+
+        A stream (:mod:`omnilearn.data.stream`) gives each step its next ``b_i`` items; it needs ``total_steps``.
+        """
+        if isinstance(dataset, IterableDataset):
+            return self._stream_loader(dataset, collate_fn, num_workers)
         prefetch = (prefetch_factor or 2) if num_workers > 0 else 0
         self._start_data(GlobalPlan, len(dataset), num_workers * prefetch)
         if collate_fn is None and getattr(dataset, "returns_batches", False):
@@ -208,6 +214,15 @@ class Session(MemorySteps, IntervalEnds):
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
         )
         self.loader = BalancedLoader(loader, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
+        return self.loader
+
+    def _stream_loader(self, dataset: IterableDataset, collate_fn, num_workers: int) -> BalancedLoader:
+        if self.total_steps is None:
+            raise ConfigError(f"data_loader({type(dataset).__name__}): a stream has no length; pass total_steps=N "
+                              "to omnilearn.setup()")
+        self._start_data(StreamPlan, self.total_steps * self.cfg.global_batch, 0, "stream")
+        items = StreamBatches(dataset, self.sampler, collate_fn, num_workers)
+        self.loader = BalancedLoader(items, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
         return self.loader
 
     def random_indices(self, high: int) -> torch.Tensor:
