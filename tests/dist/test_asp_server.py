@@ -190,7 +190,7 @@ def test_real_run_sees_a_slowdown_after_400_steady_pushes_within_two_intervals(t
 
 
 # ------------------------------------------------ (b) evaluation is not silence, and not training time
-EVAL_SLEEP_S = 6.0
+EVAL_SLEEP_S = 4.0
 
 
 def _slow(evaluate, model):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 
 def test_own_model_example_rebalances_and_learns_with_accumulation(tmp_path):
     out = tmp_path / "run"
-    done = torchrun("own_model.py", "--speeds", "3,1", "--epochs", "2", "--accumulation-steps", "2", "--out", str(out))
+    done = torchrun("own_model.py", "--speeds", "3,1", "--epochs", "1", "--accumulation-steps", "2", "--out", str(out))
     summary = assert_balanced_and_learning(out)
     changes = [d for d in read_metrics(out, "decision") if d["changed"]]
     assert changes and all(sum(d["new"]) == 128 for d in changes)
