@@ -426,4 +426,4 @@ class Session(MemorySteps, IntervalEnds):
         self.release()
         if self.ctx.grouped:
             group.barrier()
-        group.destroy()
+        group.destroy(wait_s=3.0)  # every rank passed the barrier: none exits under a peer still tearing down

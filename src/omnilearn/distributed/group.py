@@ -196,9 +196,11 @@ def barrier() -> None:
 _CLOSES = [0]  # sessions closed in this process: each close waits on its own store key
 
 
-def destroy(wait_s: float = 30.0) -> None:
-    """Destroy the default group; then wait (on its store) until every rank has destroyed its own.
+def destroy(wait_s: float = 0.0) -> None:
+    """Destroy the default group; then wait up to ``wait_s`` (on its store) until every rank has destroyed its own.
 
+    Wait only when every rank is known to be alive and closing too (after a barrier, or a clean end): a dead
+    peer never arrives, and the wait would cost its whole ``wait_s``.
     A rank that exits while a peer is still tearing down its gloo pairs closes
     their sockets under the peer, which then aborts at exit ("terminate called
     without an active exception", 1 torchrun run in 6 on 2 cores, 2026-11-24).
@@ -206,7 +208,7 @@ def destroy(wait_s: float = 30.0) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size()
-    store = dist.distributed_c10d._get_default_store() if world > 1 else None
+    store = dist.distributed_c10d._get_default_store() if world > 1 and wait_s > 0 else None
     dist.destroy_process_group()
     if store is None:
         return

@@ -117,7 +117,7 @@ def _run_rank(join: Callable[[], group.DistContext], rank: int, jobs: Sequence[J
     ``gate``: a store every rank shares, for ASP ranks to move on between jobs (:func:`_between_asp_jobs`).
     ``started_at``: when the launcher started the processes (``time.time()``), for rank 0's start-up line.
     """
-    watchdog = None
+    watchdog, clean = None, False
     warnings.simplefilter("ignore", SpeedScheduleWarning)  # the launcher (torchrun: rank 0) said it, in flags
     try:
         watchdog = watch_early() if watch_early else None
@@ -135,6 +135,7 @@ def _run_rank(join: Callable[[], group.DistContext], rank: int, jobs: Sequence[J
                 group.barrier()  # move on together: rank 0 may still be writing the run directory
             elif k + 1 < len(jobs):
                 _between_asp_jobs(k, job, ctx, gate)
+        clean = True
     except (stopping.Stopped, SystemExit):
         raise
     except BaseException as e:
@@ -143,7 +144,7 @@ def _run_rank(join: Callable[[], group.DistContext], rank: int, jobs: Sequence[J
     finally:
         if watchdog is not None:
             watchdog.stop()
-        group.destroy()
+        group.destroy(wait_s=3.0 if clean else 0.0)  # after a failure a peer may be gone: do not wait for it
 
 
 def _between_asp_jobs(k: int, job: Job, ctx: group.DistContext, gate: dist.Store | None) -> None:
