@@ -317,7 +317,7 @@ def _timeout_worker(rank: int, store: str, out: str) -> None:
     from datetime import timedelta
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=6))
+                            timeout=timedelta(seconds=15))
     ol = omnilearn.setup(global_batch=48, control_interval=4, device="cpu")
     model = ol.wrap_model(BNNet())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
