@@ -175,8 +175,8 @@ def derive_min_batch(global_batch: int, workers: int, accumulation_steps: int = 
     """
     share = max(1, global_batch // max(1, workers))
     floor = max(accumulation_steps, min(MIN_BATCH_CEILING, max(1, share // 4)))
-    if isinstance(caps, tuple):
-        floor = min(floor, max(accumulation_steps, min(caps)))
+    if caps is not None:
+        floor = min(floor, max(accumulation_steps, min(caps) if isinstance(caps, tuple) else caps))
     return floor
 
 

@@ -85,3 +85,9 @@ def test_speeds_that_do_not_match_the_process_group_say_so():
         omnilearn.setup(speeds="3,1,2", device="cpu")
     assert str(e.value).startswith("speeds='3,1,2' give 3 workers but the process group has 1 (torchrun "
                                    "--nproc-per-node 3 starts 3)"), str(e.value)
+
+
+def test_a_single_cap_lowers_the_derived_min_batch_so_the_error_names_the_real_problem():
+    with pytest.raises(ConfigError, match="global batch 512 is larger than workers x max batch = 4 x 4"):
+        BalanceConfig(workers=4, global_batch=512, max_batch=4)  # not "min batch 8 > max batch 4"
+    assert BalanceConfig(workers=4, global_batch=16, max_batch=6).min_batch == 1  # a quarter of the share 4

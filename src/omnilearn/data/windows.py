@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
+import torch
 
 from omnilearn.data.plan import GlobalPlan
 
@@ -55,9 +56,7 @@ class IndexStream:
         self._it: Iterator | None = None
         self._pending: list = []
 
-    def next(self):
-        import torch
-
+    def next(self) -> torch.Tensor:
         while not self._pending:
             if self._it is None:
                 self._it = iter(self.loader)

@@ -85,7 +85,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--throttle-cpus", type=float, help="with cgroup/docker: CPUs of the fastest worker (default: cores / workers)")
     add("--deadband", type=float, help="change batches only if the predicted step time improves by more than this "
         "fraction (default 0.05) and by more than the measurement noise")
-    add("--min-batch", type=int, help=f"smallest per-worker batch (default {d['min_batch'].default})")
+    add("--min-batch", type=int, help="smallest per-worker batch (default: a quarter of the even share, at most 8)")
     add("--max-batch", help="largest per-worker batch: one number, one per worker (256,64,64,64), or auto "
         "(CUDA: from a probe of free memory); default: the global batch")
     add("--batch-multiple", type=int, help="keep adaptive batches in multiples of this (fewer torch.compile "
