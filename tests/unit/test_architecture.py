@@ -2,7 +2,7 @@
 
 Static (pure ``ast``, fast) over ``src/omnilearn``, counting module- and function-level imports (and
 ``TYPE_CHECKING`` ones: a type-only cycle is still a design cycle): no import cycle; ``omnilearn.balance``
-never reaches torch; nothing outside ``omnilearn/experiments/`` but ``__main__`` imports the harness; no
+and ``omnilearn.tf`` (with the TensorFlow job) never reach torch; nothing outside ``omnilearn/experiments/`` but ``__main__`` imports the harness; no
 ``from omnilearn.x import _name`` or ``module._name`` across modules; each rule is shown able to fail on a
 tiny tree in ``tmp_path``. Runtime (subprocesses): the library loads no matplotlib, mnist1d, PIL or
 harness module; the CLI names the missing ``[experiments]`` extra; pyproject keeps the library to torch, numpy.
@@ -184,6 +184,12 @@ def test_balance_never_imports_torch():
     assert torch_paths(omnilearn_tree(), "omnilearn.balance") == []
 
 
+def test_tensorflow_runtime_and_its_job_never_import_torch():
+    tree = omnilearn_tree()  # a TensorFlow worker loads TensorFlow only: not torch too
+    assert torch_paths(tree, "omnilearn.tf") == []
+    assert torch_paths(tree, "omnilearn.experiments.tfjob") == []
+
+
 def test_library_never_imports_the_harness():
     found = harness_imports(omnilearn_tree(), "omnilearn")
     assert {m: hits for m, hits in found.items() if hits and m not in HARNESS_IMPORTERS} == {}
@@ -255,7 +261,7 @@ def test_import_omnilearn_loads_no_harness():
 def test_library_modules_load_no_harness():
     graph = omnilearn_tree().graph()  # every library module that does not reach a known harness importer:
     modules = [m for m in graph if not _inside(m, HARNESS) and m != "omnilearn.__main__"
-               and not m.startswith("omnilearn.integrations")  # each loads its framework, and what that loads
+               and not m.startswith(("omnilearn.integrations", "omnilearn.tf"))  # each loads its framework
                and not (reachable(graph, m) | {m}) & set(HARNESS_IMPORTERS)]
     assert {"omnilearn.bsp.session", "omnilearn.balance.controllers", "omnilearn.data.loader"} <= set(modules)
     assert loaded_after(HARNESS_DEPS, ["omnilearn", *modules]) == []
@@ -301,5 +307,6 @@ def test_pyproject_keeps_the_library_small():
     extras = project["optional-dependencies"]
     assert names(extras["experiments"]) == ["matplotlib", "mnist1d", "pillow"]
     assert names(extras["lightning"]) == ["lightning"] and names(extras["hf"]) == ["transformers"]
-    assert "omnilearn-hetero[experiments,lightning,hf]" in extras["test"]  # CI runs every example
+    assert extras["tensorflow"] == ["tensorflow-cpu==2.21.0"]  # the release tests/tf runs on
+    assert "omnilearn-hetero[experiments,lightning,hf,tensorflow]" in extras["test"]  # CI runs every example and TF
     assert project["scripts"] == {"omnilearn": "omnilearn.experiments.cli:main"}

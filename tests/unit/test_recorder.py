@@ -36,6 +36,7 @@ from omnilearn.config import BalanceConfig
 from omnilearn.emulation.speeds import SpeedSchedule
 from omnilearn.observe.asplog import ASPLog
 from omnilearn.observe.events import EventRecorder
+from omnilearn.observe.modelfile import saver
 from omnilearn.observe.recorder import Telemetry
 from omnilearn.observe.metrics import read_metrics
 from omnilearn.observe.suffix import CHUNK_RECORDS, SuffixStats
@@ -136,7 +137,7 @@ def test_bsp_summary_equals_the_old_formulas_and_every_row_is_written(tmp_path, 
     cfg, run = bsp_setup(tmp_path)
     telemetry = Telemetry(cfg, run, tmp_path)
     tables = run_telemetry(telemetry, steps)
-    summary = telemetry.finish(wall_s=12.0, train_s=10.0, model=torch.nn.Linear(2, 2))
+    summary = telemetry.finish(wall_s=12.0, train_s=10.0, save=saver(torch.nn.Linear(2, 2)))
     expected = old_summary(tables)
     assert telemetry.steps_recorded == len(steps) == summary["steps"]
     workers = expected.pop("workers")

@@ -22,7 +22,8 @@ import torch
 
 from omnilearn.observe import rundir
 from omnilearn.observe.metrics import parse_jsonl, read_metrics
-from omnilearn.observe.rundir import (DiskFull, MetricsLog, RunDirError, disk_full, prepare, save_model, size_text,
+from omnilearn.observe.modelfile import save_model
+from omnilearn.observe.rundir import (DiskFull, MetricsLog, RunDirError, disk_full, prepare, size_text,
                                       write_atomic, write_json)
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

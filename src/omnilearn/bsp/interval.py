@@ -32,23 +32,21 @@ Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_bsp.py``
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import zlib
-from statistics import median
 from typing import Sequence
 
 from omnilearn.balance.controllers import Decision
-from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop, window_row
+from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop
 from omnilearn.config import BalanceConfig, shared_settings
-from omnilearn.data.plan import BatchSchedule
+from omnilearn.data.schedule import BatchSchedule
+from omnilearn.decisions import check, feed, stop_asked, summarise, table_row
 from omnilearn.distributed.collect import all_gather_row, disagreements
 from omnilearn.distributed.group import DistContext
 
 INTERVAL, SYNC_BUFFERS, CHECK = 1, 2, 3  # CHECK: a look at the steps so far, within an interval
 POINTS = {INTERVAL: "the end of a control interval", SYNC_BUFFERS: "sync_buffers() (or finish())",
           CHECK: "a check within a control interval"}
-HEADER = 6  # kind, steps done, last step sampled, stop asked, cap, median step_s
 SETTINGS_SLOTS = 128  # fingerprints compared at start: one for the names, one per setting (the rest folded)
 
 
@@ -80,7 +78,7 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
     group's timeout; the error then says so.
     """
     try:
-        table = all_gather_row(ctx, [kind, steps_done, last_read, float(stop), float(cap or 0), step_s, *window])
+        table = all_gather_row(ctx, table_row(kind, steps_done, last_read, window, stop, cap, step_s))
     except RuntimeError as e:
         raise RuntimeError(f"rank {ctx.rank} waited at {POINTS.get(kind, kind)} after {steps_done} steps and the "
                            f"other ranks did not come: call step(), sync_buffers() and finish() on every rank at the "
@@ -96,30 +94,6 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
     return table
 
 
-def check_every(interval: int) -> int:
-    """Steps between mid-interval checks for a speed shift: a third of the interval (0: none below 6 steps)."""
-    return interval // 3 if interval >= 6 else 0
-
-
-def summarise(loop: ControlLoop, rank: int, rows: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], float]:
-    """This rank's window row (its ``compute_s`` at its current planned batch) and median ``step_s`` there."""
-    batch = loop.batches[rank]
-    now = [r for r in rows if int(r[1]) == batch]
-    return window_row(batch, [r[2] for r in now]), float(median([r[4] for r in now])) if now else 0.0
-
-
-def feed(loop: ControlLoop, schedule: BatchSchedule, step: int, table: list[list[float]]) -> Decision:
-    """Give the gathered ``table`` to the loop; register a change in ``schedule`` at the first step no rank sampled."""
-    caps = [int(row[4]) for row in table]
-    decision = loop.update(step, [row[HEADER:] for row in table], caps=caps if any(caps) else None,
-                           step_s=[row[5] for row in table])
-    if not decision.changed:
-        return decision
-    first = max(decision.effective_step, 1 + max(int(row[2]) for row in table))
-    schedule.change(first, decision.new)
-    return dataclasses.replace(decision, effective_step=first)
-
-
 def end_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
                rows: list[list[float]], stop: bool = False, cap: int | None = None) -> tuple[Decision, bool]:
     """Feed this interval to the loop on every rank; register a change in ``schedule``. ``rows``: this rank's.
@@ -128,7 +102,7 @@ def end_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, ste
     """
     mine, step_s = summarise(loop, ctx.rank, rows)
     table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine, stop, cap, step_s)
-    return feed(loop, schedule, step, table), any(row[3] for row in table)
+    return feed(loop, schedule, step, table), stop_asked(table)
 
 
 def check_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
@@ -140,6 +114,4 @@ def check_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, s
     """
     mine, step_s = summarise(loop, ctx.rank, rows)
     table = meet(ctx, CHECK, steps_done, schedule.last_read, mine, False, cap, step_s)
-    if not loop.shifted([row[HEADER:] for row in table]).any():
-        return None
-    return feed(loop, schedule, step, table)
+    return check(loop, schedule, step, table)

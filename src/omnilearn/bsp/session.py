@@ -79,11 +79,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, IterableDataset
 
-from omnilearn.balance.allocation import Bounds
-from omnilearn.balance.controllers import make_controller
-from omnilearn.balance.loop import ControlLoop
 from omnilearn.bsp import checkpointing
-from omnilearn.bsp.interval import SYNC_BUFFERS, check_every, check_same_settings, meet
+from omnilearn.bsp.interval import SYNC_BUFFERS, check_same_settings, meet
 from omnilearn.bsp.steppers import IntervalEnds, MemorySteps
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp import memory
@@ -95,12 +92,14 @@ from omnilearn.config import AUTO, BalanceConfig, ConfigError, api_wording
 from omnilearn.data.loader import BalancedLoader, keep_batch
 from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
 from omnilearn.data.stream import StreamBatches, StreamPlan
+from omnilearn.decisions import check_every, make_loop
 from omnilearn.data.windows import IndexStream, WindowPlan
 from omnilearn.distributed import group
 from omnilearn.distributed.collect import average_buffers, sum_tensor
 from omnilearn.distributed.hooks import HookState
+from omnilearn.observe.modelfile import saver
 from omnilearn.observe.recorder import Telemetry
-from omnilearn.runplan import RunPlan, initial_speeds, plan_run
+from omnilearn.runplan import RunPlan, plan_run
 from omnilearn.timing import StepTimer
 from omnilearn.trainclock import TrainClock
 
@@ -121,9 +120,7 @@ class Session(MemorySteps, IntervalEnds):
         self.emulation = Emulation(cfg, ctx, self.timer)
         self.emulator = self.emulation.delay
         self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced)
-        bounds = Bounds(cfg.global_batch, ctx.world_size, cfg.min_batch, cfg.batch_caps)
-        controller = make_controller(cfg.controller, bounds, initial_speeds(cfg, total_steps), cfg.batch_multiple)
-        self.loop = ControlLoop(controller, deadband=cfg.deadband, total_steps=total_steps)
+        self.loop = make_loop(cfg, ctx.world_size, total_steps)
         self.schedule = BatchSchedule(self.loop.batches)
         self.sampler = VariableBatchSampler(None, self.schedule, ctx.rank, total_steps, cfg.accumulation_steps)
         self.ledger = StepLedger(self.timer, self._start_step)
@@ -356,7 +353,7 @@ class Session(MemorySteps, IntervalEnds):
             recorded = getattr(self.telemetry, "steps_recorded", len(getattr(self.telemetry, "rows", [])))
             if self.telemetry is None or not recorded:
                 return None
-            return self.telemetry.finish(self.clock.wall_s(), self.clock.train_s(), self.module)
+            return self.telemetry.finish(self.clock.wall_s(), self.clock.train_s(), saver(self.module))
         finally:
             self.release()
 

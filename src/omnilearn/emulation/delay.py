@@ -13,14 +13,21 @@ Tests: ``python -m pytest -q tests/unit/test_timing.py``.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
-from omnilearn.timing import StepTimer
+
+class Clock(Protocol):
+    """What the emulator needs of a step timer (:class:`omnilearn.timing.StepTimer`, the TensorFlow runtime's)."""
+
+    def native_compute_s(self) -> float: ...
+    def elapsed_s(self) -> float: ...
+    def add_delay(self, delay_s: float) -> None: ...
 
 
 class DelayEmulator:
     """Sleeps so that this step's compute becomes ``slowdown`` times its native compute."""
 
-    def __init__(self, timer: StepTimer, slowdown: float = 1.0) -> None:
+    def __init__(self, timer: Clock, slowdown: float = 1.0) -> None:
         self.timer = timer
         self.slowdown = slowdown
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from omnilearn import __version__
-from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, MODES, OPTIMIZERS, ConfigError, TrainConfig, build,
+from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, FRAMEWORKS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, MODES, OPTIMIZERS, ConfigError, TrainConfig, build,
                               dump_toml, load_toml, workers_from_speeds)
 from omnilearn.experiments.datasets.core import DATASETS
 from omnilearn.experiments.zoo.models import MODELS, is_language_model
@@ -128,6 +128,8 @@ def _train_parser(sub) -> None:
     add("--max-restarts", type=int, help="local runs: after a worker fails (asp: the server), restart all from the "
         "latest checkpoint up to this many times (default 0; under torchrun use torchrun --max-restarts)")
     add("--no-plots", dest="plots", action="store_false", help="do not render PNG plots at the end")
+    add("--framework", choices=FRAMEWORKS, help="pytorch (default: DDP on torch.distributed) or tensorflow (Keras on "
+        "tf.distribute, BSP, the default workload; needs the [tensorflow] extra)")
 
 
 def _bench_parser(sub) -> None:
@@ -284,6 +286,8 @@ def train(args: argparse.Namespace) -> int:
             check(cfg)
     else:
         preflight.check(cfg)  # data layout, emulator, --out, process count: before anything is written or started
+    if cfg.framework == "tensorflow":
+        return _train_tensorflow(cfg, args)
     steps = workload.look(cfg)  # fail fast (data, model, run length) before any process starts
     if launched_by_torchrun():
         return _train_torchrun(cfg, args)
@@ -291,12 +295,46 @@ def train(args: argparse.Namespace) -> int:
         run_dir = Path(cfg.out)
     else:
         run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
+    _announce(cfg, steps, run_dir)
+    restarts.run_local_with_restarts(cfg, run_dir)
+    if getattr(args, "plots", True):
+        _plots(run_dir)
+    return 0
+
+
+def _announce(cfg: TrainConfig, steps: int, run_dir: Path, runtime: str = "") -> None:
     server = " + a parameter server (asp)" if cfg.mode == "asp" else ""
     speeds = f"speed schedule {cfg.speed_schedule}" if cfg.speed_schedule else f"speeds {cfg.speeds}"
-    workers = f"{cfg.workers} worker{'s' if cfg.workers > 1 else ''}{server}"
+    workers = f"{cfg.workers}{runtime} worker{'s' if cfg.workers > 1 else ''}{server}"
     print(f"omnilearn: {workers}, {speeds}, controller {cfg.controller}, global batch {cfg.global_batch}, "
           f"{steps} steps, run directory {run_dir}", flush=True)
-    restarts.run_local_with_restarts(cfg, run_dir)
+
+
+def _train_tensorflow(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    """``--framework tensorflow``: local workers with TF_CONFIG each, or this process as one worker of TF_CONFIG's."""
+    from omnilearn.experiments import workload
+
+    if launched_by_torchrun():
+        raise ConfigError("--framework tensorflow starts its own workers (or runs as one worker of TF_CONFIG), "
+                          "not under torchrun")
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ConfigError("--framework tensorflow needs TensorFlow: pip install 'omnilearn-hetero[tensorflow]'")
+    if os.environ.get("TF_CONFIG"):  # one worker of a cluster started by hand (each machine its own TF_CONFIG)
+        from omnilearn.experiments import tfjob
+        from omnilearn.tf.cluster import from_env
+
+        main_worker = from_env().is_main
+        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if main_worker else None
+        tfjob.train(cfg, run_dir)
+        if main_worker and getattr(args, "plots", True):
+            _plots(run_dir)
+        return 0
+    from omnilearn.experiments import tflaunch
+
+    steps = workload.look(cfg)  # fail fast (data, model, run length) before any process starts
+    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
+    _announce(cfg, steps, run_dir, " TensorFlow")
+    tflaunch.run_local(cfg, run_dir)
     if getattr(args, "plots", True):
         _plots(run_dir)
     return 0
@@ -348,6 +386,9 @@ def bench(args: argparse.Namespace) -> int:
         raise ConfigError("--time-budget-s is only used with --mode asp; a BSP bench runs --steps per arm")
     settings = bench_mod.parse_settings(getattr(args, "speeds", ",".join(bench_mod.SETTINGS)))
     base = _config(args, speeds=None, out=None, quiet=True)
+    if base.framework != "pytorch":
+        raise ConfigError(f"omnilearn bench compares PyTorch runs; framework {base.framework!r} trains with "
+                          "omnilearn train --framework tensorflow")
     arms = bench_mod.parse_arms(arms_text, base.controller)
     if "HL1" in settings and base.emulator not in ("delay", "none"):
         raise ConfigError(f"the plain-DDP arm at HL1 runs without OS throttles; use --emulator delay or drop HL1 "

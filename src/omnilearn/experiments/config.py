@@ -14,11 +14,10 @@ from typing import Any, ClassVar, Mapping
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.config import AUTO, DEVICES, EMULATORS, BalanceConfig, ConfigError, check_positive, dump_toml
 from omnilearn.emulation.speeds import ASP_LEVELS, BSP_LEVELS, speed_count
-from omnilearn.experiments.datasets.core import DATASETS
-from omnilearn.experiments.zoo.models import LANGUAGE_MODELS, MODELS, is_language_model
+from omnilearn.experiments.catalog import DATASETS, LANGUAGE_MODELS, MODELS, is_language_model
 from omnilearn.tomlfile import read_toml
 
-__all__ = ["ASP_DEFAULTS", "DEVICES", "EMULATORS", "LANGUAGE_MODEL_DEFAULTS", "LR_SCHEDULES", "MODES", "OPTIMIZERS",
+__all__ = ["ASP_DEFAULTS", "DEVICES", "EMULATORS", "FRAMEWORKS", "LANGUAGE_MODEL_DEFAULTS", "LR_SCHEDULES", "MODES", "OPTIMIZERS",
            "ConfigError", "TrainConfig", "build", "dump_toml", "load_toml", "normalise_keys", "workers_from_speeds"]
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -30,6 +29,7 @@ ASP_DEFAULTS = {"momentum": 0.0, "lr": 0.05, "controller": "omnilearn"}
 LANGUAGE_MODEL_DEFAULTS = {"dataset": "text", "optimizer": "adamw", "lr": 3e-3, "global_batch": 128, "epochs": 1}
 LR_SCHEDULES = ("cosine", "multistep", "constant")
 MODES = ("bsp", "asp")
+FRAMEWORKS = ("pytorch", "tensorflow")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class TrainConfig(BalanceConfig):
     gamma: float = 0.1
     loader_workers: int = 0
     mode: str = "bsp"  # bsp: synchronous, DDP; asp: asynchronous, a parameter server besides the workers
+    framework: str = "pytorch"  # or tensorflow: Keras on tf.distribute (omnilearn.tf), BSP, the default workload
     lr_scaling: str = "linear"  # asp: each push's rate times b_i / (B / n), or "none"
     staleness_lr: bool = False  # asp: also divide each push's rate by its staleness
     max_time_s: float | None = None  # asp: stop after this much training time (the bench's equal budget)
@@ -74,8 +75,11 @@ class TrainConfig(BalanceConfig):
             object.__setattr__(self, "speeds", "HL8" if self.workers == 4 else None)
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.framework not in FRAMEWORKS:
+            raise ConfigError(f"unknown framework {self.framework!r}; choose one of {', '.join(FRAMEWORKS)}")
         super().__post_init__()
         self._check_asp()
+        self._check_tensorflow()
         check_positive(self, "epochs", "lr", "image_size", "seq_len")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"--max-steps {self.max_steps} must be at least 1 (or omit it to run --epochs)")
@@ -136,6 +140,25 @@ class TrainConfig(BalanceConfig):
                 raise ConfigError(f"--mode asp keeps one cap for every worker; --max-batch "
                                   f"{','.join(map(str, self.max_batch))} differs per worker: give one number")
             object.__setattr__(self, "max_batch", self.max_batch[0])
+
+    def _check_tensorflow(self) -> None:
+        """What ``--framework tensorflow`` (:mod:`omnilearn.tf`, BSP only) does not have yet: one line each."""
+        if self.framework != "tensorflow":
+            return
+        if self.model not in ("cnn1d", "mlp") or self.dataset != "mnist1d":
+            raise ConfigError(f"--framework tensorflow trains --model cnn1d or mlp on --dataset mnist1d (got "
+                              f"{self.model} on {self.dataset}); for your own Keras model use omnilearn.tf "
+                              "(docs/tensorflow.md)")
+        missing = {"--mode asp": self.mode == "asp", "--resume": self.resume, "--max-restarts": self.max_restarts,
+                   "--checkpoint-every": self.checkpoint_every != TrainConfig.checkpoint_every,
+                   "--accumulation-steps": self.accumulation_steps != 1, "--max-batch auto": self.max_batch == AUTO,
+                   f"--emulator {self.emulator}": self.emulator not in ("delay", "none"),
+                   "--loader-workers": self.loader_workers, "--device cuda": self.device == "cuda",
+                   "--weight-decay with --optimizer sgd": self.weight_decay and self.optimizer == "sgd"}
+        said = [flag for flag, asked in missing.items() if asked]
+        if said:
+            raise ConfigError(f"--framework tensorflow has no {said[0]} yet (BSP, delay emulation, no checkpoints: "
+                              "docs/tensorflow.md); drop it or use the PyTorch runtime")
 
     @property
     def milestone_epochs(self) -> tuple[int, ...]:

@@ -38,6 +38,7 @@ from omnilearn.asp.rules import Staleness
 from omnilearn.asp.settings import ASPSettings
 from omnilearn.config import BalanceConfig
 from omnilearn.observe.events import EventRecorder
+from omnilearn.observe.modelfile import saver
 from omnilearn.observe.suffix import SuffixStats
 
 PER_WORKER = ("batch", "cycle_s", "compute_s", "staleness")  # summed, summed, summed, maximum
@@ -157,7 +158,7 @@ class ASPLog:
                    "dropped": [dict(d) for d in self.dropped], "resumed_at_version": self.resumed_at}
         if steps is not None:
             summary["steps"] = steps
-        self.events.finish(summary, model)
+        self.events.finish(summary, saver(model))
         for stats in (*self.per_worker, self.all_staleness):
             stats.close()
         self.console.push_table(summary["workers"])

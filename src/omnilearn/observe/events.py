@@ -15,10 +15,10 @@ Run its tests: ``python -m pytest -q tests/unit/test_recorder.py``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from omnilearn.observe.console import Console
-from omnilearn.observe.rundir import MetricsLog, save_model, write_json
+from omnilearn.observe.rundir import MetricsLog, write_json
 
 
 class EventRecorder:
@@ -73,15 +73,15 @@ class EventRecorder:
             return None
         return list(self.speed_changes[-1][1])
 
-    def finish(self, summary: dict[str, Any], model=None) -> None:
-        """Write ``summary.json`` and ``model.pt`` (atomically) and close ``metrics.jsonl``."""
+    def finish(self, summary: dict[str, Any], save: Callable[[Path], None] | None = None) -> None:
+        """Write ``summary.json`` (atomically), then the model by ``save(run_dir)``; close ``metrics.jsonl``."""
         if self.log is not None:
             self.log.close()
             self.log = None
         if self.run_dir is not None:
             write_json(self.run_dir / "summary.json", summary)
-            if model is not None:
-                save_model(self.run_dir, model)
+            if save is not None:
+                save(self.run_dir)
 
     def report_run_dir(self, quiet: bool) -> None:
         if self.run_dir is not None and not quiet:

@@ -19,8 +19,7 @@ import os
 import time
 from pathlib import Path
 from statistics import fmean
-
-import torch
+from typing import Callable
 
 from omnilearn.balance.efficiency import StepRow, WorkerStats, by_step, ideal_step_s, measured_step_s
 from omnilearn.config import BalanceConfig
@@ -147,10 +146,11 @@ class Telemetry:
             out.append(WorkerStats(rank, batch, compute, wait, batch / compute))
         return out
 
-    def finish(self, wall_s: float, train_s: float, model: torch.nn.Module | None) -> dict:
-        """``train_s``: the wall time of the training loop without evaluation."""
+    def finish(self, wall_s: float, train_s: float, save: Callable[[Path], None] | None = None) -> dict:
+        """``train_s``: the wall time of the training loop without evaluation; ``save(run_dir)`` writes the model
+        (:func:`omnilearn.observe.modelfile.saver`, or the TensorFlow runtime's ``model.weights.h5``)."""
         summary = self.summary(wall_s, train_s)
-        self.events.finish(summary, model)
+        self.events.finish(summary, save)
         first = summary["stats_from_step"]
         self.console.table(self.worker_stats(self.steps_recorded // 2), summary["declared_speeds"], first)
         self.stats.close()

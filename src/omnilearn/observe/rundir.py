@@ -309,14 +309,6 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     _sync_dir(path.parent)
 
 
-def save_model(run_dir: Path, model) -> None:
-    """``RUN_DIR/model.pt``: the model's ``state_dict`` as CPU tensors (``torch.load(..., weights_only=True)``)."""
-    import torch
-
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    write_atomic(Path(run_dir) / "model.pt", lambda f: torch.save(state, f))
-
-
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     """``obj`` as indented JSON, written atomically."""
     text = (json.dumps(obj, indent=2) + "\n").encode("utf-8")

@@ -29,23 +29,19 @@ Run its tests:  python -m pytest -q tests/unit/test_data.py
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from omnilearn.data.loader import keep_batch  # noqa: F401  (re-exported: datasets serve whole batches)
 from omnilearn.experiments.datasets import images as imagedata
 from omnilearn.experiments.datasets import text as textdata
+from omnilearn.experiments.catalog import DATASETS  # noqa: F401  (re-exported)
 from omnilearn.experiments.datasets.base import DataError, Splits, TensorData
+from omnilearn.experiments.datasets.mnist1d import (  # noqa: F401  (re-exported)
+    MNIST1D_DATA_SEED, MNIST1D_SAMPLES, cache_dir, mnist1d_arrays, mnist1d_cache)
 
-DATASETS = ("mnist1d", "synthetic", "cifar10", "cifar100", "imagefolder", "text")
 GENERATED = ("mnist1d", "synthetic")  # datasets that take no --data-dir
-MNIST1D_SAMPLES = 12_500  # 10,000 train + 2,500 test
-MNIST1D_DATA_SEED = 42  # the package's default generator seed
 SYNTH_TRAIN, SYNTH_TEST = 8192, 2048  # default synthetic sizes (shrunk for large shapes)
 SYNTH_MIN_TRAIN = 512
 SYNTH_MAX_ELEMENTS = 48_000_000  # 192 MB of float32 inputs, above which fewer samples are made
@@ -67,44 +63,10 @@ class DataSpec:
     seed: int = 0  # split/generation seed where one is needed
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("OMNILEARN_CACHE", Path.home() / ".cache" / "omnilearn"))
-
-
-def mnist1d_cache() -> Path:
-    """Where mnist1d is cached once generated (the preflight checks its folder is writable until then)."""
-    return cache_dir() / f"mnist1d-{MNIST1D_SAMPLES}-seed{MNIST1D_DATA_SEED}.npz"
-
-
-def _mnist1d_arrays() -> tuple[dict[str, np.ndarray], bool]:
-    """The arrays, and whether they came from the cache (else generated now, a few seconds, and cached)."""
-    path = mnist1d_cache()
-    if path.exists():
-        with np.load(path) as f:
-            return {k: f[k] for k in f.files}, True
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.num_samples, args.seed = MNIST1D_SAMPLES, MNIST1D_DATA_SEED
-    d = make_dataset(args)
-    arrays = {k: np.asarray(d[k]) for k in ("x", "y", "x_test", "y_test")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as tmp:
-        np.savez(tmp, **arrays)
-    os.replace(tmp.name, path)  # atomic: concurrent first runs never see half a file
-    return arrays, False
-
-
 def mnist1d() -> Splits:
-    a, cached = _mnist1d_arrays()
-    mean, std = a["x"].mean(), a["x"].std()
-
-    def norm(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(((x - mean) / std).astype(np.float32))
-
-    train = TensorData(norm(a["x"]), torch.from_numpy(a["y"].astype(np.int64)))
-    test = TensorData(norm(a["x_test"]), torch.from_numpy(a["y_test"].astype(np.int64)))
-    how = "read from the cache" if cached else f"generated now by the mnist1d package, cached in {mnist1d_cache()}"
+    a, how = mnist1d_arrays()
+    train = TensorData(torch.from_numpy(a["x"]), torch.from_numpy(a["y"]))
+    test = TensorData(torch.from_numpy(a["x_test"]), torch.from_numpy(a["y_test"]))
     return Splits(train, test, 10, (a["x"].shape[1],), f"mnist1d: {how}")
 
 

@@ -25,9 +25,7 @@ import math
 
 from torch import nn
 
-VISION_MODELS = ("resnet18", "resnet50", "alexnet", "vgg11")
-LANGUAGE_MODELS = ("gpt2", "gpt2-tiny")
-MODELS = ("cnn1d", "mlp", *VISION_MODELS, *LANGUAGE_MODELS)
+from omnilearn.experiments.catalog import LANGUAGE_MODELS, MODELS, VISION_MODELS, is_language_model  # noqa: F401
 
 
 class CNN1d(nn.Module):
@@ -56,11 +54,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.net(x.flatten(1))
-
-
-def is_language_model(name: str) -> bool:
-    """True for models that take ``(N, T)`` token ids and return ``(N, T, vocab)`` logits."""
-    return name in LANGUAGE_MODELS
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

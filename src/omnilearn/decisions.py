@@ -1,0 +1,111 @@
+"""A control window's end, shared by the runtimes: timings in, the same decision on every worker out. Pure.
+
+Both synchronous runtimes -- PyTorch (:mod:`omnilearn.bsp`) and TensorFlow
+(:mod:`omnilearn.tf`) -- build their :class:`~omnilearn.balance.loop.ControlLoop`
+with :func:`make_loop` and, at the end of a control window, gather one row
+per worker in the same layout (:func:`table_row`)::
+
+    [kind, steps_done, last step sampled, stop asked, cap, median step_s, *window_row]
+
+with one collective (gloo/NCCL all-gather, or a ``tf.distribute`` SUM
+all-reduce), then hand the table to :func:`feed` (the interval's end) or
+:func:`check` (a look within the interval for a clear speed shift). So the
+same plan fed the same timings gives the same batches in either framework:
+``tests/tf/test_tf_train.py`` checks it on two real runs.
+
+``OMNILEARN_TEST_S_PER_SAMPLE=a0:c0,a1:c1,...`` (tests only; ``c`` alone
+means ``a = 0``) replaces the measured times that reach the loop by
+scripted ones: worker ``i``'s compute ``a_i + c_i x batch`` and the step
+the slowest worker's, so two runs see exactly the same timings whatever the
+machine does.
+
+Run: ``python -m pytest -q tests/unit/test_decisions.py tests/tf``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from statistics import median
+from typing import Sequence
+
+from omnilearn.balance.allocation import Bounds
+from omnilearn.balance.controllers import Decision, make_controller
+from omnilearn.balance.loop import ControlLoop, window_row
+from omnilearn.config import BalanceConfig
+from omnilearn.data.schedule import BatchSchedule
+from omnilearn.runplan import initial_speeds
+
+HEADER = 6  # kind, steps done, last step sampled, stop asked, cap, median step_s
+SCRIPTED_ENV = "OMNILEARN_TEST_S_PER_SAMPLE"
+
+
+def make_loop(cfg: BalanceConfig, workers: int, total_steps: int | None) -> ControlLoop:
+    """The run's controller inside its loop, from the config (the same for every runtime)."""
+    bounds = Bounds(cfg.global_batch, workers, cfg.min_batch, cfg.batch_caps)
+    controller = make_controller(cfg.controller, bounds, initial_speeds(cfg, total_steps), cfg.batch_multiple)
+    return ControlLoop(controller, deadband=cfg.deadband, total_steps=total_steps)
+
+
+def scripted_times(workers: int) -> tuple[tuple[float, float], ...] | None:
+    """The scripted ``(fixed_s, s_per_sample)`` of :data:`SCRIPTED_ENV` (tests), one per worker; None when unset."""
+    text = os.environ.get(SCRIPTED_ENV)
+    if not text:
+        return None
+    try:
+        pairs = tuple((float(a or 0), float(c)) for a, _, c in (v.rpartition(":") for v in text.split(",")))
+    except ValueError:
+        pairs = ()
+    if len(pairs) != workers or any(a < 0 or c <= 0 for a, c in pairs):
+        raise ValueError(f"{SCRIPTED_ENV}={text!r}: give {workers} entries fixed_s:s_per_sample (or s_per_sample), "
+                         "comma-separated")
+    return pairs
+
+
+def summarise(loop: ControlLoop, rank: int, rows: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], float]:
+    """This rank's window row (its ``compute_s`` at its current planned batch) and median ``step_s`` there.
+
+    ``rows``: this rank's step rows ``[step, batch, compute_s, wait_s, step_s, ...]``.
+    """
+    batch = loop.batches[rank]
+    now = [r for r in rows if int(r[1]) == batch]
+    scripted = scripted_times(loop.workers)
+    if scripted is not None:
+        times = [a + c * b for (a, c), b in zip(scripted, loop.batches)]
+        return window_row(batch, [times[rank]] * len(now)), max(times) if now else 0.0
+    return window_row(batch, [r[2] for r in now]), float(median([r[4] for r in now])) if now else 0.0
+
+
+def table_row(kind: int, steps_done: int, last_read: int, window: Sequence[float], stop: bool = False,
+              cap: int | None = None, step_s: float = 0.0) -> list[float]:
+    """One worker's row of the gathered table (the layout above)."""
+    return [kind, steps_done, last_read, float(stop), float(cap or 0), step_s, *window]
+
+
+def feed(loop: ControlLoop, schedule: BatchSchedule, step: int, table: Sequence[Sequence[float]]) -> Decision:
+    """Give the gathered ``table`` to the loop; register a change in ``schedule`` at the first step no rank sampled."""
+    caps = [int(row[4]) for row in table]
+    decision = loop.update(step, [row[HEADER:] for row in table], caps=caps if any(caps) else None,
+                           step_s=[row[5] for row in table])
+    if not decision.changed:
+        return decision
+    first = max(decision.effective_step, 1 + max(int(row[2]) for row in table))
+    schedule.change(first, decision.new)
+    return dataclasses.replace(decision, effective_step=first)
+
+
+def check(loop: ControlLoop, schedule: BatchSchedule, step: int, table: Sequence[Sequence[float]]) -> Decision | None:
+    """A look within the interval: a decision (recorded) if some worker's speed clearly shifted, else None."""
+    if not loop.shifted([row[HEADER:] for row in table]).any():
+        return None
+    return feed(loop, schedule, step, table)
+
+
+def stop_asked(table: Sequence[Sequence[float]]) -> bool:
+    """Whether any worker asked to stop (a signal): every worker stops after the same step."""
+    return any(row[3] for row in table)
+
+
+def check_every(interval: int) -> int:
+    """Steps between mid-interval checks for a speed shift: a third of the interval (0: none below 6 steps)."""
+    return interval // 3 if interval >= 6 else 0

@@ -1,0 +1,32 @@
+"""OmniLearn on TensorFlow: the same balancing for Keras models on ``tf.distribute`` (the ``[tensorflow]`` extra).
+
+    import omnilearn.tf
+    ol = omnilearn.tf.setup(global_batch=512)   # the MultiWorkerMirroredStrategy cluster of TF_CONFIG
+    with ol.scope():
+        model, optimizer = ..., ...             # a Keras model and optimizer
+    ol.wrap(model, optimizer, loss)
+    for x, y in ol.data(x_train, y_train):      # this worker's share of each global batch
+        ol.step(x, y)
+    ol.finish()
+
+The whole example is in :mod:`omnilearn.tf.session`; ``omnilearn train
+--framework tensorflow`` runs the default job on it. TensorFlow is imported
+by :func:`setup` (and :mod:`~omnilearn.tf.session`, :mod:`~omnilearn.tf.steps`),
+not by ``import omnilearn`` nor by this package; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TFSession", "setup"]
+
+
+def __getattr__(name: str):  # lazy: the pure modules (cluster, timing) import without TensorFlow
+    if name == "setup":
+        from omnilearn.tf.setup import setup
+
+        return setup
+    if name == "TFSession":
+        from omnilearn.tf.session import TFSession
+
+        return TFSession
+    raise AttributeError(f"module 'omnilearn.tf' has no attribute {name!r}")

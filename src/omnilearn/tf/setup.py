@@ -1,0 +1,37 @@
+"""``omnilearn.tf.setup()``: join the ``TF_CONFIG`` cluster, resolve the batch, open a :class:`~omnilearn.tf.session.TFSession`.
+
+The keywords are the PyTorch ``omnilearn.setup()``'s (:mod:`omnilearn.keywords`):
+``global_batch=B`` or ``local_batch=b`` (``B = b x workers``), ``speeds``,
+``controller``, ``out``... Mistakes raise :class:`~omnilearn.config.ConfigError`,
+one line naming the keyword.
+
+Run: ``python -m pytest -q tests/tf``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omnilearn.config import BalanceConfig, ConfigError, api_wording, dump_toml
+from omnilearn.keywords import KEYWORDS, check_keywords, for_world
+from omnilearn.observe.rundir import prepare
+from omnilearn.tf.cluster import from_env, make_strategy
+from omnilearn.tf.session import TFSession, check_supported
+
+
+def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None, local_batch: int | None = None,
+          **settings: Any) -> TFSession:
+    """Join the cluster of ``TF_CONFIG`` (none: one worker) and start balancing; see :mod:`omnilearn.tf.session`."""
+    try:
+        check_keywords("omnilearn.tf.setup()", settings, local_batch)
+        first = dataclasses.replace(config, **settings) if config is not None else BalanceConfig(**settings)
+        check_supported(first)
+        cluster = from_env()
+        strategy = make_strategy(cluster, first.timeout_s)
+        cfg = for_world(config, settings, local_batch, cluster.world_size, "TF_CONFIG's cluster",
+                        "list {n} workers in TF_CONFIG")
+    except ConfigError as e:
+        raise ConfigError(api_wording(str(e), KEYWORDS)) from None
+    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if cfg.out is not None and cluster.is_main else None
+    return TFSession(cfg, cluster, strategy, run_dir, total_steps)

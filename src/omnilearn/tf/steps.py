@@ -1,0 +1,102 @@
+"""The TensorFlow graph functions of a worker: the weighted training step and the one gather of timings.
+
+:class:`TrainStep` compiles one ``tf.function`` whose input signature has a
+``None`` batch dimension, so a worker's batch may change every control
+interval without a retrace. Inside ``strategy.run`` (one replica per
+worker) it computes this worker's mean loss over its ``b_i`` samples and
+its gradient, multiplies the gradient by ``b_i / B``, calls ``before_sync``
+(a ``tf.py_function`` that depends on every gradient: the delay emulator
+sleeps there, then the clock marks the local compute done) and applies the
+gradients with the user's Keras optimizer, whose ``apply_gradients`` in a
+replica context all-reduces them with SUM across workers. The sum of
+``(b_i / B) x mean_i`` is the mean over the global batch: every worker
+makes the update one worker with the whole batch would make.
+
+Keras losses divide by the number of replicas under ``tf.distribute``
+(``scale_loss_for_distribution``); a Keras ``Loss`` object is therefore
+used per sample (its reduction set to none) and averaged here, so no
+replica scaling enters the gradient. A plain callable must return the
+per-sample losses or their mean over this worker's batch.
+
+:class:`Gather`: every worker fills its own row of an ``n x k`` float64
+table and one SUM all-reduce gives every worker all rows.
+
+Run: ``python -m pytest -q tests/tf``
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def per_sample(loss: Callable) -> Callable:
+    """A Keras ``Loss`` with its reduction set to none (no replica scaling); any other callable as it is."""
+    if isinstance(loss, keras.losses.Loss) and loss.reduction not in (None, "none"):
+        return type(loss).from_config({**loss.get_config(), "reduction": None})
+    return loss
+
+
+class TrainStep:
+    """``step(x, y, scale)`` -> this worker's mean loss; see the module docstring."""
+
+    def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model, optimizer, loss: Callable,
+                 before_sync: Callable[[], None]) -> None:
+        self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.loss, self.before_sync = per_sample(loss), before_sync
+        self.function: Callable | None = None
+
+    def __call__(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
+        if self.function is None:  # the signature from the first batch, any batch size
+            spec = [tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
+                    tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)), tf.TensorSpec((), tf.float32)]
+            self.function = tf.function(self._run, input_signature=spec)
+        out = self.function(x, y, tf.constant(scale, tf.float32))
+        return float(self.strategy.experimental_local_results(out)[0])
+
+    @property
+    def traces(self) -> int:
+        """How many times the step was traced (1 whatever the batch sizes)."""
+        return 0 if self.function is None else self.function.experimental_get_tracing_count()
+
+    def _run(self, x, y, scale):
+        return self.strategy.run(self._replica, args=(x, y, scale))
+
+    def _replica(self, x, y, scale):
+        variables = self.model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(self.loss(y, self.model(x, training=True)))
+        grads = [g * tf.cast(scale, g.dtype) for g in tape.gradient(loss, variables)]
+        ready = tf.py_function(self._ready, grads, tf.float32)  # runs after every gradient exists
+        with tf.control_dependencies([ready]):
+            grads = [tf.identity(g) for g in grads]  # the all-reduce starts after the emulated delay
+        self.optimizer.apply_gradients(zip(grads, variables))  # SUM all-reduce across workers, then the update
+        return loss
+
+    def _ready(self, *_grads) -> float:
+        self.before_sync()
+        return 0.0
+
+
+class Gather:
+    """``gather(row)`` -> the ``n x k`` table of every worker's row (one SUM all-reduce)."""
+
+    def __init__(self, strategy: tf.distribute.Strategy, rank: int, workers: int, width: int) -> None:
+        self.strategy, self.rank, self.shape = strategy, rank, (workers, width)
+        self.function = tf.function(self._run, input_signature=[tf.TensorSpec(self.shape, tf.float64)])
+
+    def __call__(self, row: list[float]) -> np.ndarray:
+        if len(row) > self.shape[1]:
+            raise ValueError(f"a row of {len(row)} values does not fit a table {self.shape[1]} wide")
+        table = np.zeros(self.shape)
+        table[self.rank, : len(row)] = row
+        out = self.function(tf.constant(table))
+        return self.strategy.experimental_local_results(out)[0].numpy()
+
+    def _run(self, table):
+        def reduce(t):  # identity: an all-reduce of a bare function input has no device to reduce to
+            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(t))
+        return self.strategy.run(reduce, args=(table,))
