@@ -22,7 +22,7 @@ __all__ = ["TFSession", "setup"]
 
 def __getattr__(name: str):  # lazy: the pure modules (cluster, timing) import without TensorFlow
     if name == "setup":
-        from omnilearn.tf.setup import setup
+        from omnilearn.tf.api import setup
 
         return setup
     if name == "TFSession":

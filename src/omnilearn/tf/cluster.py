@@ -116,15 +116,27 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+_made: dict[Cluster, Any] = {}  # TensorFlow configures its collectives once per process: one strategy per cluster
+
+
 def make_strategy(cluster: Cluster, timeout_s: float):
     """This worker's ``MultiWorkerMirroredStrategy`` (waits until every worker of ``TF_CONFIG`` is up).
 
-    Call it before any other TensorFlow operation: thread counts can only be set before TensorFlow starts.
+    Made once per process (a second ``setup()`` reuses it). Call it before
+    any other TensorFlow operation: thread counts can only be set before TensorFlow starts.
     """
     import tensorflow as tf
 
+    if cluster in _made:
+        return _made[cluster]
+    if _made:
+        raise ConfigError(f"this process already joined the TensorFlow cluster {list(_made)[0].workers or 'of one'}; "
+                          "TensorFlow joins one cluster per process: start a new process for another")
+    if not os.environ.get("TF_CONFIG", "x").strip():
+        del os.environ["TF_CONFIG"]  # blank means one worker here; TensorFlow would fail to parse it
     threads = max(1, usable_cpus() // cluster.local_workers())
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
-    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    _made[cluster] = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    return _made[cluster]

@@ -190,8 +190,11 @@ class TFSession:
         return loss
 
     def learning_rate(self) -> float:
+        """The optimizer's rate now (a schedule's value at this step; a mirrored variable read locally)."""
         rate = getattr(self.optimizer, "learning_rate", None)
-        return float(rate) if rate is not None else float("nan")
+        if rate is None:
+            return float("nan")
+        return float(tf.convert_to_tensor(getattr(rate, "value", rate)).numpy())
 
     def _end_window(self, step: int, kind: int) -> None:
         """One gather of every worker's timings (and rows); the loop decides; worker 0 records the window."""

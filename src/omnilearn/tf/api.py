@@ -1,4 +1,4 @@
-"""``omnilearn.tf.setup()``: join the ``TF_CONFIG`` cluster, resolve the batch, open a :class:`~omnilearn.tf.session.TFSession`.
+"""``omnilearn.tf.setup()`` (this module is ``api``: a module named ``setup`` would shadow the function): join the ``TF_CONFIG`` cluster, resolve the batch, open a :class:`~omnilearn.tf.session.TFSession`.
 
 The keywords are the PyTorch ``omnilearn.setup()``'s (:mod:`omnilearn.keywords`):
 ``global_batch=B`` or ``local_batch=b`` (``B = b x workers``), ``speeds``,
@@ -27,11 +27,11 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
         check_keywords("omnilearn.tf.setup()", settings, local_batch)
         first = dataclasses.replace(config, **settings) if config is not None else BalanceConfig(**settings)
         check_supported(first)
-        cluster = from_env()
-        strategy = make_strategy(cluster, first.timeout_s)
+        cluster = from_env()  # the world size, from TF_CONFIG alone: settings are checked before TensorFlow starts
         cfg = for_world(config, settings, local_batch, cluster.world_size, "TF_CONFIG's cluster",
                         "list {n} workers in TF_CONFIG")
     except ConfigError as e:
         raise ConfigError(api_wording(str(e), KEYWORDS)) from None
+    strategy = make_strategy(cluster, cfg.timeout_s)
     run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if cfg.out is not None and cluster.is_main else None
     return TFSession(cfg, cluster, strategy, run_dir, total_steps)
