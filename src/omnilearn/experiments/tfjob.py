@@ -12,7 +12,8 @@ normalised arrays, :mod:`omnilearn.experiments.datasets.mnist1d`), the same
 multistep or constant rate per step, one evaluation over the test split per
 epoch. The loop is what any user of :mod:`omnilearn.tf.session` writes.
 SIGTERM/SIGINT stop every worker after the same step (the next control
-interval's end). Nothing here imports torch.
+interval's end). ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` (tests) kills a
+worker there (:mod:`omnilearn.experiments.faultinject`). Nothing here imports torch.
 
 Exit status: 0 done, 2 a setting this runtime refuses (one ``omnilearn:
 error:`` line), 128 + the signal when stopped, 1 anything else (its last
@@ -29,6 +30,7 @@ import traceback
 from pathlib import Path
 
 from omnilearn.config import ConfigError
+from omnilearn.experiments import faultinject
 from omnilearn.experiments.config import TrainConfig, build, load_toml
 from omnilearn.experiments.datasets.mnist1d import mnist1d_arrays
 from omnilearn.observe.console import startup, took
@@ -94,10 +96,13 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict | None:
     loader = session.data(x, y)
     say(f"training starts: {steps} steps, {session.run.steps_per_epoch} per epoch; a progress line every "
         f"{cfg.control_interval} steps (the control interval)")
+    kill_at = faultinject.kill_step(cluster.rank)
     for epoch in range(session.epochs):
         loader.set_epoch(epoch)
         for xb, yb in loader:
             session.step(xb, yb)
+            if kill_at is not None and session.next_step >= kill_at:
+                faultinject.die()
             if session.should_stop and not session.rows:
                 raise Stopped(f"{reason() or 'a stop signal'}: stopped at step {session.next_step} (the TensorFlow "
                               "runtime keeps no checkpoint yet)")

@@ -123,4 +123,5 @@ def _outcome(procs: list[subprocess.Popen], run_dir: Path, first: int | None) ->
     if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
         raise Interrupted(code - 128, f"worker {rank} stopped: {said}")
     how = f"killed by {signal_name(-code)}" if code < 0 else f"exit {code}"
-    raise WorkerFailed(f"TensorFlow worker {rank} failed ({how}): {said} (log: {log_path(run_dir, rank)})")
+    raise WorkerFailed(f"TensorFlow worker {rank} failed ({how}){': ' + said if said else ''} "
+                       f"(log: {log_path(run_dir, rank)})")

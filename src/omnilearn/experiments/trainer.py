@@ -22,8 +22,7 @@ over (a ``resume`` event at step 0 voids the earlier records).
 
 Fault injection for tests: ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` makes
 that rank SIGKILL itself when it reaches ``step`` in a run that is not a
-resume (so a restarted run goes past it); with ``OMNILEARN_FAULT_STAMP=<file>``
-it first writes the time into that file (:mod:`omnilearn.experiments.faultbench`).
+resume (so a restarted run goes past it; :mod:`omnilearn.experiments.faultinject`).
 ``OMNILEARN_FAULT_OOM=<rank>:<samples>`` emulates a memory cap on that rank
 (:mod:`omnilearn.bsp.memory`): the run goes on at a lower cap.
 
@@ -32,8 +31,6 @@ Run: ``python -m pytest -q tests/dist/test_bsp.py``
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -43,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from omnilearn.bsp.session import Session
 from omnilearn.stopping import Stopped, reason
 from omnilearn.distributed.group import DistContext
-from omnilearn.experiments import workload
+from omnilearn.experiments import faultinject, workload
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.datasets import core as data
 from omnilearn.experiments.workload import PREFETCH_FACTOR, resolve
@@ -80,7 +77,7 @@ class BSPTrainer:
                 self.session.telemetry.resume({}, 0, cfg.workers)
         every = cfg.checkpoint_every
         self.next_checkpoint = (self.session.next_step // every + 1) * every if every else None
-        self.kill_at = _fault_kill_step(ctx.rank) if not cfg.resume else None
+        self.kill_at = faultinject.kill_step(ctx.rank) if not cfg.resume else None
 
     def _resume(self) -> bool:
         """Load the newest checkpoint (False: none); rank 0 records how long the load took."""
@@ -139,10 +136,7 @@ class BSPTrainer:
 
     def _maybe_checkpoint(self) -> None:
         if self.kill_at is not None and self.session.next_step >= self.kill_at:
-            stamp = os.environ.get("OMNILEARN_FAULT_STAMP")  # when it died, for faultbench's time to resume
-            if stamp:
-                Path(stamp).write_text(f"{time.time():.6f}")
-            os.kill(os.getpid(), signal.SIGKILL)
+            faultinject.die()
         """At an interval end: a due checkpoint, or the final one of an agreed stop (then raise :class:`Stopped`)."""
         session = self.session
         if not session.interval_ended:
@@ -159,11 +153,3 @@ class BSPTrainer:
             raise Stopped(f"{reason() or 'a stop signal'}: stopped at step {session.next_step} after a checkpoint; "
                           f"continue with --resume")
 
-
-def _fault_kill_step(rank: int) -> int | None:
-    """The step at which ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` kills this rank, if it names this rank."""
-    spec = os.environ.get("OMNILEARN_FAULT_KILL_AT")
-    if not spec:
-        return None
-    target, _, step = spec.partition(":")
-    return int(step) if int(target) == rank else None
