@@ -5,8 +5,11 @@
     with ol.scope():
         model, optimizer = ..., ...             # a Keras model and optimizer
     ol.wrap(model, optimizer, loss)
-    for x, y in ol.data(x_train, y_train):      # this worker's share of each global batch
-        ol.step(x, y)
+    loader = ol.data(x_train, y_train)
+    for epoch in range(ol.epochs):              # with total_steps=...; or your own epoch count
+        loader.set_epoch(epoch)
+        for x, y in loader:                     # this worker's share of each global batch
+            ol.step(x, y)
     ol.finish()
 
 The whole example is in :mod:`omnilearn.tf.session`; ``omnilearn train
