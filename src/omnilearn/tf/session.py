@@ -229,13 +229,15 @@ class TFSession:
 
         Local: every worker holds the same weights and gets the same numbers; no collective.
         """
-        loss_fn, total, correct = self.train_step.loss, 0.0, 0
+        if self.train_step is None:
+            raise RuntimeError("evaluate() needs the model: call wrap() first")
+        loss_fn, total, correct, classifier = self.train_step.loss, 0.0, 0, np.issubdtype(y.dtype, np.integer)
         for lo in range(0, len(x), batch_size):
             out = self.model(x[lo : lo + batch_size], training=False)
             total += float(tf.reduce_sum(loss_fn(y[lo : lo + batch_size], out)))
-            if len(out.shape) == 2 and np.issubdtype(y.dtype, np.integer):
+            classifier = classifier and len(out.shape) == 2
+            if classifier:
                 correct += int(np.sum(np.argmax(out.numpy(), axis=1) == y[lo : lo + batch_size]))
-        classifier = np.issubdtype(y.dtype, np.integer)
         return total / len(x), (correct / len(x) if classifier else None)
 
     def paused(self) -> ContextManager[None]:
@@ -258,7 +260,7 @@ class TFSession:
 
 
 class WorkerBatches:
-    """This worker's ``(x, y)`` slice of each global step of an epoch (``set_epoch`` first, as with PyTorch)."""
+    """This worker's ``(x, y)`` slice of each global step of an epoch (``set_epoch`` optional, as with PyTorch)."""
 
     def __init__(self, session: TFSession, x: np.ndarray, y: np.ndarray) -> None:
         self.session, self.x, self.y, self.epoch = session, x, y, 0
@@ -276,7 +278,9 @@ class WorkerBatches:
         return len(self.steps())
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        s, perm = self.session, self.session.plan.permutation(self.epoch)
+        s = self.session  # without set_epoch, each pass serves the epoch after the last step trained
+        self.epoch = max(self.epoch, s.next_step // s.run.steps_per_epoch)
+        perm = s.plan.permutation(self.epoch)
         for step in self.steps():
             s.begin(step)
             idx = s.plan.worker_indices(step, s.schedule.at(step), s.rank, perm)
