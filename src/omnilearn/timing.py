@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omnilearn.hostclock import HostClock
+
 
 @dataclass(frozen=True)
 class StepTimes:
@@ -43,16 +45,16 @@ class StepTimes:
     delay_s: float
 
 
-class StepTimer:
+class StepTimer(HostClock):
     """Marks of the step in flight; finished steps wait in ``pending`` until :meth:`collect`."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._lock = threading.Lock()
         self.pending: list[tuple] = []
-        self.start_s = self.start_cpu_s = self.ready_s = self.reduced_s = 0.0
-        self.delay_s = 0.0
+        self.ready_s = self.reduced_s = 0.0
         self._events: dict[str, torch.cuda.Event] = {}
         self.open = False
 
@@ -64,8 +66,8 @@ class StepTimer:
     def begin(self) -> None:
         """The step's batch was handed out: its clock starts."""
         with self._lock:
-            self.start_s, self.start_cpu_s = time.perf_counter(), time.process_time()
-            self.ready_s = self.reduced_s = self.delay_s = 0.0
+            self.start()
+            self.ready_s = self.reduced_s = 0.0
             self._events = {"start": self._event()} if self.cuda else {}
             self.open = True
 
@@ -73,16 +75,7 @@ class StepTimer:
         """This step's compute so far on the real hardware (see the module docstring)."""
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
-        elif torch.get_num_threads() == 1:
-            return time.process_time() - self.start_cpu_s
-        return time.perf_counter() - self.start_s
-
-    def elapsed_s(self) -> float:
-        return time.perf_counter() - self.start_s
-
-    def add_delay(self, delay_s: float) -> None:
-        """An emulator slept ``delay_s`` inside this step's compute."""
-        self.delay_s += delay_s
+        return self.host_native_s(not self.cuda and torch.get_num_threads() == 1)
 
     def mark_ready(self) -> None:
         """This worker's local gradients are ready (after any emulated delay)."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+from omnilearn.hostclock import HostClock
+
 
 class StepTimes(NamedTuple):
     compute_s: float
@@ -32,25 +34,18 @@ class StepTimes(NamedTuple):
     delay_s: float
 
 
-class StepClock:
+class StepClock(HostClock):
     def __init__(self, single_thread: bool) -> None:
+        super().__init__()
         self.single_thread = single_thread
-        self.start_s = self.start_cpu_s = self.ready_s = self.delay_s = 0.0
+        self.ready_s = 0.0
 
     def begin(self) -> None:
-        self.start_s, self.start_cpu_s = time.perf_counter(), time.process_time()
-        self.ready_s = self.delay_s = 0.0
+        self.start()
+        self.ready_s = 0.0
 
     def native_compute_s(self) -> float:
-        if self.single_thread:
-            return time.process_time() - self.start_cpu_s
-        return time.perf_counter() - self.start_s
-
-    def elapsed_s(self) -> float:
-        return time.perf_counter() - self.start_s
-
-    def add_delay(self, delay_s: float) -> None:
-        self.delay_s += delay_s
+        return self.host_native_s(self.single_thread)
 
     def mark_ready(self) -> None:
         self.ready_s = time.perf_counter()

@@ -1,0 +1,39 @@
+"""A step's host clocks, for both runtimes' step timers: wall and process CPU time since the step began. Pure.
+
+:class:`HostClock` is what the delay emulator reads
+(:class:`~omnilearn.emulation.delay.Clock`): ``elapsed_s``, ``add_delay``
+and the native compute so far (:meth:`HostClock.host_native_s`: process CPU
+time for a worker computing on one thread, else wall time). The PyTorch
+:class:`~omnilearn.timing.StepTimer` adds CUDA events and the gradient
+hook's marks; the TensorFlow :class:`~omnilearn.tf.timing.StepClock` the
+mark inside its step's graph.
+
+Run: ``python -m pytest -q tests/unit/test_timing.py tests/tf/test_tf_cluster.py``
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class HostClock:
+    def __init__(self) -> None:
+        self.start_s = self.start_cpu_s = self.delay_s = 0.0
+
+    def start(self) -> None:
+        """A step begins: both clocks start, no delay yet."""
+        self.start_s, self.start_cpu_s = time.perf_counter(), time.process_time()
+        self.delay_s = 0.0
+
+    def host_native_s(self, cpu_time: bool) -> float:
+        """This step's compute so far: process CPU time (``cpu_time``: one compute thread), else wall time."""
+        if cpu_time:
+            return time.process_time() - self.start_cpu_s
+        return time.perf_counter() - self.start_s
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start_s
+
+    def add_delay(self, delay_s: float) -> None:
+        """An emulator slept ``delay_s`` inside this step's compute."""
+        self.delay_s += delay_s
