@@ -95,3 +95,22 @@ def test_the_tensorflow_run_writes_what_a_pytorch_run_writes(runs):
     assert set(tf["workers"][0]) == set(pt["workers"][0]) and len(tf["workers"]) == 3
     assert (runs / "tf3" / "config.toml").read_text().count('framework = "tensorflow"') == 1
 
+
+
+def test_workers_started_by_hand_with_their_own_tf_config_make_one_run(tmp_path):
+    """As on several machines: each worker runs ``omnilearn train`` with its own TF_CONFIG; worker 0 writes the run."""
+    import os
+    import subprocess
+    import sys
+
+    from omnilearn.tf.cluster import free_ports, local_config
+
+    out, ports = tmp_path / "run", free_ports(2)
+    cmd = [sys.executable, "-m", "omnilearn", "train", "--framework", "tensorflow", "--workers", "2", "--speeds", "2,1",
+           "--max-steps", "20", "--control-interval", "5", "--out", str(out), "--no-plots"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TF_CONFIG": local_config(ports, rank)}) for rank in range(2)]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[1][1][-3000:] + outputs[0][1][-3000:]
+    assert "balance efficiency" in outputs[0][0] and outputs[1][0].strip() == ""  # worker 0 speaks
+    assert json.loads((out / "summary.json").read_text())["steps"] == 20

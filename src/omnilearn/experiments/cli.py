@@ -321,9 +321,8 @@ def _train_tensorflow(cfg: TrainConfig, args: argparse.Namespace) -> int:
         raise ConfigError("--framework tensorflow needs TensorFlow: pip install 'omnilearn-hetero[tensorflow]'")
     if os.environ.get("TF_CONFIG"):  # one worker of a cluster started by hand (each machine its own TF_CONFIG)
         from omnilearn.experiments import tfjob
-        from omnilearn.tf.cluster import from_env
 
-        main_worker = from_env().is_main
+        main_worker = preflight.writes_run_dir(cfg)
         run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if main_worker else None
         tfjob.train(cfg, run_dir)
         if main_worker and getattr(args, "plots", True):

@@ -47,10 +47,21 @@ MIN_FREE_BYTES = 10 * 10**6  # free space --out needs to start a run
 def check(cfg: TrainConfig) -> None:
     """Every check below, cheapest first; the first problem raises :class:`ConfigError`."""
     check_processes(cfg)
-    if not group.launched_by_torchrun() or os.environ.get("RANK") == "0":
+    if writes_run_dir(cfg):
         check_out_dir(cfg)
     check_emulator(cfg)
     check_data(cfg)
+
+
+def writes_run_dir(cfg: TrainConfig) -> bool:
+    """Whether this process writes ``--out``: the launcher, torchrun's rank 0, or worker 0 of ``TF_CONFIG``."""
+    if group.launched_by_torchrun():
+        return os.environ.get("RANK") == "0"
+    if cfg.framework == "tensorflow" and os.environ.get("TF_CONFIG", "").strip():
+        from omnilearn.tf.cluster import from_env  # pure: reads TF_CONFIG, imports no TensorFlow
+
+        return from_env().is_main
+    return True
 
 
 # ---------------------------------------------------------------- processes
