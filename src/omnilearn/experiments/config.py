@@ -79,7 +79,6 @@ class TrainConfig(BalanceConfig):
             raise ConfigError(f"unknown framework {self.framework!r}; choose one of {', '.join(FRAMEWORKS)}")
         super().__post_init__()
         self._check_asp()
-        self._check_tensorflow()
         check_positive(self, "epochs", "lr", "image_size", "seq_len")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"--max-steps {self.max_steps} must be at least 1 (or omit it to run --epochs)")
@@ -110,6 +109,7 @@ class TrainConfig(BalanceConfig):
         if (self.input_shape is not None or self.num_classes is not None) and self.dataset != "synthetic":
             raise ConfigError(f"--input-shape and --num-classes describe --dataset synthetic; drop them for "
                               f"--dataset {self.dataset}")
+        self._check_tensorflow()  # last: a misspelt name is named as such first
 
     @property
     def levels(self) -> dict[str, tuple[float, ...]]:
