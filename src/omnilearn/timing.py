@@ -111,7 +111,11 @@ class StepTimer(HostClock):
                 self.pending.append(("cpu", StepTimes(step_s - wait_s, wait_s, step_s, self.delay_s)))
 
     def collect(self) -> list[StepTimes]:
-        """Every finished step's times since the last call, oldest first (one device wait on CUDA)."""
+        """Every finished step's times since the last call, oldest first (one device wait on CUDA).
+
+        In BSP only :meth:`omnilearn.bsp.steps.StepLedger.rows` calls it: it pairs these with its reported
+        steps by position and raises if the two counts differ.
+        """
         with self._lock:
             pending, self.pending = self.pending, []
         if pending and pending[-1][0] == "cuda":

@@ -6,10 +6,12 @@ random positive weights (hypothesis):
 - ``check_feasible`` / ``Bounds`` reject ``n*min > B``, ``n*max < B``,
   ``min > max`` and ``workers < 1`` with ``InfeasibleBounds`` whose message
   names the offending values, and accept every feasible configuration;
-- ``clamp_reshare`` sums to ``B`` (1e-6), stays inside ``[min, max]``, keeps
-  the order of the targets and is a water-filling (unclamped workers share
-  one scale factor, clamped ones sit on the bound their target pushes to);
-- ``largest_remainder``, ``proportional_split`` and ``uniform_split`` return
+- ``water_fill`` (clamp and re-share, the first half of ``split_array``) sums
+  to ``B`` (1e-6), stays inside ``[min, max]``, keeps the order of the targets
+  and is a water-filling (unclamped workers share one scale factor, clamped
+  ones sit on the bound their target pushes to);
+- ``round_shares`` (the second half), ``split_array``, ``proportional_split``
+  and ``uniform_split`` return
   integers that sum to ``B`` exactly and respect the bounds; the proportional
   split is within 1 of the exact share when no bound binds; the uniform split
   differs by at most 1 (extra units to the lowest ranks).
@@ -35,8 +37,6 @@ from omnilearn.balance.allocation import (
     Bounds,
     InfeasibleBounds,
     check_feasible,
-    clamp_reshare,
-    largest_remainder,
     proportional_split,
     round_shares,
     split_array,
@@ -45,6 +45,11 @@ from omnilearn.balance.allocation import (
 )
 
 FAST = settings(max_examples=200, deadline=None)
+
+
+def limits(b: Bounds) -> tuple:
+    """What the allocation path passes ``water_fill`` and ``round_shares``: lower, upper, total."""
+    return b.min_batch, b.upper, b.global_batch
 
 
 @st.composite
@@ -133,7 +138,7 @@ def test_accepts_every_feasible_configuration(b):
     assert b.upper == (b.global_batch if b.max_batch is None else b.max_batch)
 
 
-# --------------------------------------------------------------------------- clamp_reshare
+# --------------------------------------------------------------------------- water_fill: clamp and re-share
 
 
 @st.composite
@@ -150,9 +155,9 @@ def bounds_and_targets(draw):
 
 @FAST
 @given(bt=bounds_and_targets())
-def test_clamp_reshare_sums_to_global_batch_within_bounds(bt):
+def test_water_fill_sums_to_global_batch_within_bounds(bt):
     b, targets = bt
-    shares = clamp_reshare(targets, b)
+    shares = water_fill(targets, *limits(b)).tolist()
     assert len(shares) == b.workers
     assert abs(sum(shares) - b.global_batch) <= 1e-6
     eps = 1e-9 * b.global_batch
@@ -161,9 +166,9 @@ def test_clamp_reshare_sums_to_global_batch_within_bounds(bt):
 
 @FAST
 @given(bt=bounds_and_targets())
-def test_clamp_reshare_keeps_order_and_is_water_filling(bt):
+def test_water_fill_keeps_order_and_is_water_filling(bt):
     b, targets = bt
-    shares = clamp_reshare(targets, b)
+    shares = water_fill(targets, *limits(b)).tolist()
     clipped = [max(t, 0.0) for t in targets]
     for i in range(b.workers):
         for j in range(b.workers):
@@ -203,13 +208,13 @@ def bounds_and_split(draw, max_workers: int = 8):
 
 @FAST
 @given(bs=bounds_and_split())
-def test_clamp_reshare_leaves_feasible_targets_alone(bs):
+def test_water_fill_leaves_feasible_targets_alone(bs):
     b, split = bs
-    shares = clamp_reshare([float(x) for x in split], b)
+    shares = water_fill([float(x) for x in split], *limits(b)).tolist()
     assert all(abs(s - x) <= 1e-9 * b.global_batch for s, x in zip(shares, split)), (split, shares)
 
 
-# --------------------------------------------------------------------------- largest_remainder
+# --------------------------------------------------------------------------- round_shares, split_array
 
 
 def assert_valid_split(split, b: Bounds):
@@ -221,31 +226,32 @@ def assert_valid_split(split, b: Bounds):
 
 @FAST
 @given(bt=bounds_and_targets())
-def test_largest_remainder_exact_sum_within_bounds_and_one_unit_of_share(bt):
+def test_split_array_exact_sum_within_bounds_and_one_unit_of_share(bt):
     b, targets = bt
-    shares = clamp_reshare(targets, b)
-    split = largest_remainder(shares, b)
+    shares = water_fill(targets, *limits(b)).tolist()
+    split = split_array(targets, b).tolist()
     assert_valid_split(split, b)
     assert all(abs(x - s) < 1 + 1e-9 for x, s in zip(split, shares)), (split, shares)
 
 
 @FAST
 @given(b=feasible_bounds(), data=st.data())
-def test_largest_remainder_repairs_any_shares(b, data):
+def test_round_shares_repairs_any_shares(b, data):
     # "never pushing a worker past max_batch": even shares outside the bounds
     # or not summing to B come back as a valid split
     shares = data.draw(
         st.lists(st.floats(-10, 2.0 * b.upper, allow_nan=False), min_size=b.workers, max_size=b.workers)
     )
-    assert_valid_split(largest_remainder(shares, b), b)
+    assert_valid_split(round_shares(shares, *limits(b)).tolist(), b)
 
 
 @FAST
 @given(bs=bounds_and_split())
-def test_largest_remainder_keeps_integer_shares(bs):
+def test_round_shares_and_split_array_keep_integer_shares(bs):
     b, split = bs
     assert_valid_split(split, b)  # the strategy itself is sound
-    assert largest_remainder([float(x) for x in split], b) == split
+    assert round_shares([float(x) for x in split], *limits(b)).tolist() == split
+    assert split_array([float(x) for x in split], b).tolist() == split
 
 
 # --------------------------------------------------------------------------- proportional_split
@@ -318,8 +324,8 @@ def test_uniform_split_differs_by_at_most_one(b):
 # --------------------------------------------------------------------------- vectorised core vs the former loops
 
 
-def reference_clamp_reshare(targets, bounds: Bounds) -> list[float]:
-    """The pure-Python water-filling loop ``clamp_reshare`` was before it was vectorised."""
+def reference_water_fill(targets, bounds: Bounds) -> list[float]:
+    """The pure-Python water-filling loop ``water_fill`` was before it was vectorised."""
     lo, hi, total = float(bounds.min_batch), float(bounds.upper), float(bounds.global_batch)
     shares = [max(float(t), 0.0) for t in targets]
     fixed: dict[int, float] = {}
@@ -340,8 +346,8 @@ def reference_clamp_reshare(targets, bounds: Bounds) -> list[float]:
     return [fixed.get(i, shares[i]) for i in range(len(shares))]
 
 
-def reference_largest_remainder(shares, bounds: Bounds) -> list[int]:
-    """The pure-Python rounding loop ``largest_remainder`` was before it was vectorised."""
+def reference_round_shares(shares, bounds: Bounds) -> list[int]:
+    """The pure-Python rounding loop ``round_shares`` was before it was vectorised."""
     floors = [min(max(math.floor(s + 1e-9), bounds.min_batch), bounds.upper) for s in shares]
     missing = bounds.global_batch - sum(floors)
     order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - floors[i]), i))
@@ -361,8 +367,8 @@ def reference_largest_remainder(shares, bounds: Bounds) -> list[int]:
 @given(bt=bounds_and_targets())
 def test_water_fill_equals_the_former_loop(bt):
     b, targets = bt
-    ref = reference_clamp_reshare(targets, b)
-    assert clamp_reshare(targets, b) == pytest.approx(ref, rel=1e-9, abs=1e-9 * b.global_batch)
+    ref = reference_water_fill(targets, b)
+    assert water_fill(targets, *limits(b)).tolist() == pytest.approx(ref, rel=1e-9, abs=1e-9 * b.global_batch)
 
 
 @FAST
@@ -371,9 +377,9 @@ def test_round_shares_equals_the_former_loop_on_any_shares(b, data):
     shares = data.draw(
         st.lists(st.floats(-10, 2.0 * b.upper, allow_nan=False), min_size=b.workers, max_size=b.workers)
     )
-    assert largest_remainder(shares, b) == reference_largest_remainder(shares, b)
-    exact = reference_clamp_reshare(shares, b)
-    assert largest_remainder(exact, b) == reference_largest_remainder(exact, b)
+    assert round_shares(shares, *limits(b)).tolist() == reference_round_shares(shares, b)
+    exact = reference_water_fill(shares, b)
+    assert round_shares(exact, *limits(b)).tolist() == reference_round_shares(exact, b)
 
 
 @st.composite
@@ -424,11 +430,11 @@ def test_round_shares_with_per_worker_bounds_is_exact(case):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([64, 1024, 4096]))
-def test_split_array_at_scale_matches_the_list_functions(seed, n):
+def test_split_array_at_scale_keeps_the_sum_the_bounds_and_the_shares(seed, n):
     rng = np.random.default_rng(seed)
     lo = int(rng.integers(1, 8))
     b = Bounds(int(rng.integers(n * lo, n * 100)), n, lo, int(rng.integers(100, 400)))
     targets = rng.lognormal(3.0, 1.0, n)
     split = split_array(targets, b)
     assert int(split.sum()) == b.global_batch and split.min() >= b.min_batch and split.max() <= b.upper
-    assert split.tolist() == largest_remainder(clamp_reshare(targets.tolist(), b), b)
+    assert np.all(np.abs(split - water_fill(targets, *limits(b))) < 1 + 1e-6)  # within a unit of its share

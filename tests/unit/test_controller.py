@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from omnilearn.balance.allocation import Bounds, clamp_reshare, largest_remainder, proportional_split, uniform_split
+from omnilearn.balance.allocation import Bounds, proportional_split, split_array, uniform_split
 from omnilearn.balance.controllers import (
     CONTROLLERS,
     Decision,
@@ -87,7 +87,7 @@ def test_propose_is_the_proportional_rule_with_predicted_times(bb, data):
     est = Estimates(np.array(batches), np.array(times), np.zeros(bounds.workers))
     p = ProportionalController(bounds).propose(est)
     t_mean = sum(times) / len(times)
-    expected = largest_remainder(clamp_reshare([b * t_mean / t for b, t in zip(batches, times)], bounds), bounds)
+    expected = split_array([b * t_mean / t for b, t in zip(batches, times)], bounds).tolist()
     assert p.batches.tolist() == expected
     assert_valid(p.batches.tolist(), bounds)
     assert p.times_s == pytest.approx([t * n / b for t, n, b in zip(times, expected, batches)])

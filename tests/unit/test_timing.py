@@ -1,13 +1,18 @@
-"""StepTimer and DelayEmulator on the CPU: ``python -m pytest -q tests/unit/test_timing.py``."""
+"""StepTimer, DelayEmulator and the StepLedger's pairing of reported steps with timed ones, on the CPU.
+
+Run: ``python -m pytest -q tests/unit/test_timing.py``
+"""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
 import pytest
 import torch
 
+from omnilearn.bsp.steps import ROW_FIELDS, StepLedger
 from omnilearn.emulation.delay import DelayEmulator
 from omnilearn.timing import StepTimer
 
@@ -101,3 +106,32 @@ def test_native_speed_never_sleeps_and_bad_slowdowns_are_refused():
     assert DelayEmulator(timer).before_sync() == 0.0
     with pytest.raises(ValueError, match="at least 1"):
         DelayEmulator(timer).set_slowdown(0.5)
+
+
+def ledger_with_two_steps() -> tuple[StepLedger, StepTimer]:
+    timer = StepTimer()
+    ledger = StepLedger(timer, on_start=lambda step: None)
+    for step in (0, 1):
+        ledger.handed_out(step, restart=False)
+        ledger.report(batch=8 + step, loss=0.5, lr=0.1)
+    return ledger, timer
+
+
+def test_each_reported_step_gets_its_own_row():
+    ledger, _ = ledger_with_two_steps()
+    rows = ledger.take_rows()
+    assert [(r[0], r[1]) for r in rows] == [(0.0, 8.0), (1.0, 9.0)] and all(len(r) == len(ROW_FIELDS) for r in rows)
+
+
+@pytest.mark.parametrize("drift", ["times collected elsewhere", "a step timed outside the ledger"])
+def test_a_drift_between_reported_and_timed_steps_is_an_error_not_a_short_window(drift):
+    ledger, timer = ledger_with_two_steps()
+    if drift == "times collected elsewhere":  # the old zip paired nothing and dropped both rows silently
+        timer.collect()
+        counts = "2 step(s) reported but 0 timed"
+    else:  # the old zip dropped the extra timed step without a word
+        timer.begin()
+        timer.end()
+        counts = "2 step(s) reported but 3 timed"
+    with pytest.raises(RuntimeError, match=re.escape(counts)):
+        ledger.rows()

@@ -4,9 +4,9 @@ Every function here keeps the invariant ``sum(batches) == global_batch`` and
 the bounds ``min_batch <= b_i <= max_batch``. No torch, no processes: the
 controllers and the sampler build on these. The work is vectorised with numpy
 (:func:`water_fill` and :func:`round_shares` take arrays, O(n log n), and
-accept per-worker bounds for later memory caps); :func:`clamp_reshare`,
-:func:`largest_remainder` and :func:`proportional_split` are their list
-front-ends. The unit tests check them with hypothesis, also against the former
+accept per-worker bounds for memory caps); :func:`split_array` is the two in a
+row (clamp, re-share, round) and :func:`proportional_split` its list front-end.
+The unit tests check them with hypothesis, also against the former
 pure-Python loops: ``python -m pytest -q tests/unit/test_allocation.py``.
 """
 
@@ -182,20 +182,6 @@ def _round_robin(room: np.ndarray, units: int) -> np.ndarray:
     more = np.flatnonzero(room > full)[:rest]
     dealt[more] += 1
     return dealt
-
-
-def clamp_reshare(targets: Sequence[float], bounds: Bounds) -> list[float]:
-    """Clamp real-valued shares into the bounds and re-share what clamping moved (:func:`water_fill`).
-
-    The result sums to ``bounds.global_batch``; with all targets <= 0 every
-    worker gets an equal share.
-    """
-    return water_fill(targets, bounds.min_batch, bounds.upper, bounds.global_batch).tolist()
-
-
-def largest_remainder(shares: Sequence[float], bounds: Bounds) -> list[int]:
-    """Round real shares to integers summing to B within the bounds (:func:`round_shares`)."""
-    return round_shares(shares, bounds.min_batch, bounds.upper, bounds.global_batch).tolist()
 
 
 def split_array(targets: ArrayLike, bounds: Bounds) -> np.ndarray:

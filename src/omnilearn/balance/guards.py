@@ -17,8 +17,17 @@
   single window at the old plan is not judged); a step measurably slower
   (by ``max(MIN_WORSE, 2 x`` the windows' relative spread``)``) takes the old
   plan back and holds still for ``hold`` windows or until a speed shift.
+- :class:`PinWatch`: counts the decisions in a row that the same worker sits
+  at ``min_batch`` while still the slowest (:func:`pinned_low`) and names it
+  after ``windows`` of them (the loop's ``PIN_WINDOWS``: a user-facing warning).
 
-Run: ``python -m pytest -q tests/unit/test_guards.py``
+Each class saves everything that can change a later decision in its
+``state_dict()`` (plain ints, floats, lists, dicts: no None, no NaN),
+so a restored :class:`~omnilearn.balance.loop.ControlLoop` decides bit for
+bit alike; a state without a key (an older checkpoint) loads that key's default
+(a learned cap whose windows left were not saved gets a full ``LEARNED_WINDOWS``).
+
+Run: ``python -m pytest -q tests/unit/test_guards.py tests/unit/test_loop_state.py``
 """
 
 from __future__ import annotations
@@ -57,10 +66,12 @@ class Caps:
     def changed(self, old: np.ndarray, new: np.ndarray, times: np.ndarray, rel_se: np.ndarray,
                 judge: bool = True) -> None:
         """A plan change: remember each moved worker's batch, time and its relative standard error before it
-        (``judge`` False: nothing to judge after it)."""
+        (``judge`` False, or no positive time: nothing to judge after it, time NaN, error 0)."""
         moved = old != new
-        self.last[0][moved], self.last[2][moved] = old[moved], rel_se[moved]
-        self.last[1][moved] = times[moved] if judge else np.nan
+        judged = judge & (np.nan_to_num(times) > 0)
+        self.last[0][moved] = old[moved]
+        self.last[1][moved] = np.where(judged, times, np.nan)[moved]
+        self.last[2][moved] = np.where(judged, rel_se, 0.0)[moved]
 
     def window(self) -> None:
         """A window passed: learned caps age, and lapse after ``LEARNED_WINDOWS``."""
@@ -97,22 +108,48 @@ class Caps:
         return np.maximum(caps, b.min_batch)
 
     def bounds_now(self) -> Bounds:
+        """The bounds to plan with: the configured ones while no reported or learned cap binds."""
         caps = self.effective()
-        if (caps >= self.bounds.global_batch).all() and self.bounds.max_batch is None:
+        if (caps == self.configured).all():
             return self.bounds
         return Bounds(self.bounds.global_batch, self.bounds.workers, self.bounds.min_batch, tuple(caps.tolist()))
 
     def state_dict(self) -> dict:
+        """Caps (0: none), each learned cap's windows left, and each worker's batch, time (0: nothing to
+        judge) and relative standard error before its latest change. Plain numbers only: no None, no NaN."""
         big = np.iinfo(np.int64).max
+        batches, times, rel_se = self.last
         return {"reported": [0 if c == big else int(c) for c in self.reported],
-                "learned": [0 if c == big else int(c) for c in self.learned]}
+                "learned": [0 if c == big else int(c) for c in self.learned],
+                "lapse": self.lapse.tolist(),
+                "last": {"batches": batches.tolist(), "times_s": np.nan_to_num(times).tolist(),
+                         "rel_se": rel_se.tolist()}}
 
     def load_state_dict(self, state: dict) -> None:
-        big = np.iinfo(np.int64).max
+        """Restore :meth:`state_dict`; a missing key (an older checkpoint) keeps its default."""
+        big, n = np.iinfo(np.int64).max, self.bounds.workers
         for name in ("reported", "learned"):
-            values = np.asarray(state.get(name, [0] * self.bounds.workers), dtype=np.int64)
-            if values.size == self.bounds.workers:
+            values = np.asarray(state.get(name, [0] * n), dtype=np.int64)
+            if values.size == n:
                 setattr(self, name, np.where(values > 0, values, big))
+        if "lapse" in state:
+            self.lapse = per_worker(state["lapse"], n, "lapse", np.int64)
+        else:  # an older checkpoint: its learned caps (age unknown) get a full term
+            self.lapse = np.where(self.learned < big, LEARNED_WINDOWS, self.lapse)
+        if "last" in state:
+            last = state["last"]
+            times = per_worker(last["times_s"], n, "last times_s", float)
+            self.last = (per_worker(last["batches"], n, "last batches", np.int64),
+                         np.where(times > 0, times, np.nan), per_worker(last["rel_se"], n, "last rel_se", float))
+
+
+def per_worker(values, workers: int, name: str, dtype) -> np.ndarray:
+    """``values`` as an array of one entry per worker, or one clear error naming the field."""
+    out = np.asarray(values, dtype=dtype)
+    if out.shape != (workers,):
+        raise ValueError(f"guard state {name!r} has {out.size} entries for {workers} workers: "
+                         f"load a checkpoint of a run with {workers} workers")
+    return out
 
 
 class StepGuard:
@@ -120,7 +157,7 @@ class StepGuard:
 
     def __init__(self, hold: int) -> None:
         self.hold = hold
-        self.steps: list[float] = []  # window step times at the current plan
+        self.steps: list[float] = []  # the newest BEFORE_WINDOWS window step times at the current plan
         self.before: tuple[np.ndarray, float, float] | None = None  # old plan, its step time, relative spread
         self.holding = 0
 
@@ -130,7 +167,7 @@ class StepGuard:
             return
         s = np.asarray(step_s, dtype=float)
         if s.size and np.isfinite(s).all() and (s > 0).all():
-            self.steps.append(float(s.mean()))
+            self.steps = [*self.steps[1 - BEFORE_WINDOWS:], float(s.mean())]  # all that is ever judged
         if self.holding:
             self.holding -= 1
 
@@ -161,6 +198,49 @@ class StepGuard:
     def reset(self) -> None:
         """A speed shift: old comparisons and holds no longer apply."""
         self.before, self.holding, self.steps = None, 0, []
+
+    def state_dict(self) -> dict:
+        """The window step times at the current plan, the change being judged ({}: none), the hold left."""
+        before = {}
+        if self.before is not None:
+            old, step_s, spread = self.before
+            before = {"batches": old.tolist(), "step_s": step_s, "spread": spread}
+        return {"steps": list(self.steps), "before": before, "holding": self.holding}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; a missing key (an older checkpoint) keeps its default."""
+        self.steps = [float(s) for s in state.get("steps", self.steps)]
+        self.holding = int(state.get("holding", self.holding))
+        before = state.get("before") or None
+        self.before = None if before is None else (
+            np.asarray(before["batches"], dtype=np.int64), float(before["step_s"]), float(before["spread"]))
+
+
+class PinWatch:
+    """Which worker sits at ``min_batch`` while the slowest, for how many decisions in a row (see the module)."""
+
+    def __init__(self, windows: int) -> None:
+        self.windows = windows
+        self.rank: int | None = None  # the worker pinned at the latest decision
+        self.run = 0  # decisions in a row it has been
+        self.pinned: int | None = None  # ``rank`` once ``run`` reached ``windows``
+
+    def decided(self, rank: int | None) -> None:
+        """One decision's :func:`pinned_low` verdict."""
+        self.run = self.run + 1 if rank is not None and rank == self.rank else int(rank is not None)
+        self.rank = rank
+        self.pinned = rank if self.run >= self.windows else None
+
+    def state_dict(self) -> dict:
+        """The pinned worker at the latest decision, its run, the worker named (-1: none)."""
+        return {"rank": -1 if self.rank is None else self.rank, "run": self.run,
+                "pinned": -1 if self.pinned is None else self.pinned}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; a missing key (an older checkpoint) keeps its default."""
+        rank, pinned = state.get("rank", self.rank), state.get("pinned", self.pinned)
+        self.rank, self.pinned = (None if r is None or r < 0 else int(r) for r in (rank, pinned))
+        self.run = int(state.get("run", self.run))
 
 
 def pinned_low(plan: np.ndarray, times: np.ndarray, lower: int, margin: float) -> int | None:

@@ -53,8 +53,16 @@ How it decides (figures from ``python -m omnilearn.experiments.simulate``):
   the ``model`` controller's fit of ``t_i(b) = alpha_i + beta_i * b``.
 - **Effective step.** A change takes effect at ``step + 1 + lag``; one that
   would start at or after ``total_steps`` is held.
+- **State.** :meth:`ControlLoop.state_dict` holds everything that can change
+  a later decision (plan, kept windows, model pairs, controller, caps with
+  each learned cap's windows left and the batch/time before each change, the
+  step guard's hold and comparison, the pin counter) as plain values, so a
+  loop restored from a checkpoint (``torch.load(weights_only=True)``) decides
+  bit for bit alike; the ring holds exactly the kept windows (older rows are
+  zeroed), which is what is saved. A state from an older checkpoint without
+  the newer keys loads with their defaults.
 
-Run: ``python -m pytest -q tests/unit/test_loop.py tests/unit/test_guards.py``
+Run: ``python -m pytest -q tests/unit/test_loop.py tests/unit/test_guards.py tests/unit/test_loop_state.py``
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ from numpy.typing import ArrayLike
 
 from omnilearn.balance.allocation import split_array
 from omnilearn.balance.controllers import Controller, Decision, Estimates
-from omnilearn.balance.guards import Caps, StepGuard, pinned_low
+from omnilearn.balance.guards import Caps, PinWatch, StepGuard, pinned_low
 from omnilearn.balance.windows import (  # noqa: F401  (window_row, window_table: re-exported for the runtimes)
     MEDIAN_SE, ROBUST_COUNT, WINDOW_FIELDS, moments, robust_pool, window_row, window_table)
 
@@ -106,9 +114,7 @@ class ControlLoop:
         bounds = getattr(controller, "bounds", None)
         self.caps = Caps(bounds) if bounds is not None else None
         self.guard = StepGuard(hold=history)
-        self.pinned: int | None = None  # a worker at min_batch still the slowest for PIN_WINDOWS decisions in a row
-        self.pin_rank: int | None = None
-        self.pin_run = 0
+        self.pin = PinWatch(PIN_WINDOWS)
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -118,6 +124,11 @@ class ControlLoop:
     @property
     def workers(self) -> int:
         return self.plan.size
+
+    @property
+    def pinned(self) -> int | None:
+        """A worker at min_batch still the slowest for ``PIN_WINDOWS`` decisions in a row (None: none)."""
+        return self.pin.pinned
 
     def update(self, step: int, rows: ArrayLike, *, caps: ArrayLike | None = None,
                step_s: ArrayLike | None = None) -> Decision:
@@ -192,6 +203,7 @@ class ControlLoop:
         if shifted.any():
             self.kept[shifted] = 1
             older = (self.ages()[:, 0] > 0)[:, None] & shifted[None, :]
+            self.ring[:, older] = 0.0  # the ring holds exactly the kept windows (what state_dict saves)
             # a slower (or faster) machine: its older (batch, time) pairs keep their line's shape, scaled
             self.pairs[1] = np.where(older, self.pairs[1] * np.where(shifted, ratio, 1.0)[None, :], self.pairs[1])
             if self.caps is not None:
@@ -265,10 +277,7 @@ class ControlLoop:
                             "after taking a slower change back")
         proposal = self.controller.propose(Estimates(self.plan.copy(), times, stderr, self.history_pairs()))
         bounds = getattr(self.controller, "bounds", None)
-        rank = None if bounds is None else pinned_low(self.plan, times, bounds.min_batch, 2 * self.deadband)
-        self.pin_run = self.pin_run + 1 if rank is not None and rank == self.pin_rank else int(rank is not None)
-        self.pin_rank = rank
-        self.pinned = rank if self.pin_run >= PIN_WINDOWS else None
+        self.pin.decided(None if bounds is None else pinned_low(self.plan, times, bounds.min_batch, 2 * self.deadband))
         new = np.asarray(proposal.batches, dtype=np.int64)
         before, after = float(times.max()), float(np.max(proposal.times_s))
         gain = (before - after) / before
@@ -292,7 +301,8 @@ class ControlLoop:
             with np.errstate(divide="ignore", invalid="ignore"):
                 self.caps.changed(old, new, np.where(count > 0, times, np.nan), stderr / times, judge=not forced)
         self.guard.changed(old, forced)
-        self.kept[new != self.plan] = 0  # their windows measured the old batch
+        moved = new != self.plan
+        self.kept[moved], self.ring[:, :, moved] = 0, 0.0  # their windows measured the old batch
         self.plan = np.asarray(new, dtype=np.int64)
         return Decision(step, tuple(old.tolist()), self.batches, tuple(times.tolist()), True, reason,
                         step + 1 + self.lag, predicted)
@@ -326,7 +336,8 @@ class ControlLoop:
 
     def state_dict(self) -> dict:
         """Plain Python (JSON-able): the plan, each worker's kept windows (:func:`moments`, oldest first,
-        with the ring position of the newest: a restored loop decides bit for bit alike), the controller's state.
+        with the ring position of the newest), the model pairs, the controller's, caps', step guard's and pin
+        watch's state: everything that can change a later decision, so a restored loop decides bit for bit alike.
         """
         order = (self.slot - np.arange(self.history)[::-1]) % self.history  # ring rows, oldest first
         windows = np.moveaxis(self.ring[:, order], 0, -1)  # (history, n, 3)
@@ -338,18 +349,24 @@ class ControlLoop:
             state["controller"] = self.controller.state_dict()
         if self.caps is not None:
             state["caps"] = self.caps.state_dict()
+        state["guard"], state["pin"] = self.guard.state_dict(), self.pin.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (keeps the newest ``history`` windows per worker)."""
+        """Restore :meth:`state_dict` (keeps the newest ``history`` windows per worker); a state without
+        the guard's, pin watch's or caps' newer keys (an older checkpoint) loads their defaults."""
         plan = np.asarray(state["batches"], dtype=np.int64)
         if plan.size != self.workers or len(state["windows"]) != self.workers:
             raise ValueError(f"loop state for {plan.size} workers loaded into a loop for {self.workers}")
         if "controller" in state and hasattr(self.controller, "load_state_dict"):
             self.controller.load_state_dict(state["controller"])
         self.plan, self.slot = plan, int(state.get("slot", 0)) % self.history
-        if self.caps is not None and "caps" in state:
-            self.caps.load_state_dict(state["caps"])
+        if self.caps is not None:
+            self.caps.load_state_dict(state.get("caps", {}))
+            if hasattr(self.controller, "bounds"):
+                self.controller.bounds = self.caps.bounds_now()  # as the last update left it
+        self.guard.load_state_dict(state.get("guard", {}))
+        self.pin.load_state_dict(state.get("pin", {}))
         self.ring[:] = 0.0
         self.pairs[:] = 0.0
         if "pairs" in state:

@@ -12,9 +12,14 @@ reported; the loader hands them out again. More than
 
 :meth:`report` ends the open step; :meth:`rows` resolves the timer's pending
 steps (one device wait on CUDA, none per step) into rows of
-:data:`ROW_FIELDS`. Only the current control interval's rows are kept.
+:data:`~omnilearn.observe.recorder.ROW_FIELDS` (defined once, by the
+recorder that reads them). The ledger's reported steps and the timer's timed
+steps are two queues matched by position: if their lengths ever differ,
+:meth:`rows` raises naming both counts instead of silently pairing a step
+with another's times. Only the current control interval's rows are kept.
 
-Run: ``python -m pytest -q tests/dist/test_api.py -k prefetch``
+Run: ``python -m pytest -q tests/unit/test_timing.py`` (the pairing) and
+``python -m pytest -q tests/dist/test_api.py -k prefetch``
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from typing import Callable
 
 import torch
 
+from omnilearn.observe.recorder import ROW_FIELDS  # noqa: F401  (the one definition; re-exported for the steppers)
 from omnilearn.timing import StepTimer
 
 FETCH_AHEAD_LIMIT = 4  # steps a loop may hold handed out besides the open one
-ROW_FIELDS = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "lr")
 
 
 class StepLedger:
@@ -75,8 +80,12 @@ class StepLedger:
         return len(self.resolved) + len(self.pending)
 
     def rows(self) -> list[list[float]]:
-        """This interval's rows so far (resolving the pending ones)."""
-        for (step, batch, loss, lr), t in zip(self.pending, self.timer.collect()):
+        """This interval's rows so far (resolving the pending ones); raises if the timer's steps drifted."""
+        times = self.timer.collect()
+        if len(times) != len(self.pending):
+            raise RuntimeError(f"step ledger drift: {len(self.pending)} step(s) reported but {len(times)} timed; "
+                               "only StepLedger.report may end a StepTimer step, and only rows() collect it")
+        for (step, batch, loss, lr), t in zip(self.pending, times):
             loss = float(loss) if torch.is_tensor(loss) else loss
             row = [step, batch, t.compute_s, t.wait_s, t.step_s, loss, t.delay_s, lr]
             self.resolved.append([float(v) for v in row])

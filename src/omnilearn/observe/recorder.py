@@ -28,6 +28,7 @@ from omnilearn.observe.suffix import SuffixStats
 from omnilearn.runplan import RunPlan
 
 FAILED_AT_ENV = "OMNILEARN_FAILED_AT"  # set by the launcher's restart loop: when the failed attempt ended
+# The columns of one step row, in order: the one definition (bsp/steps.py writes rows, tf/session.py too).
 ROW_FIELDS = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "lr")
 
 
