@@ -6,12 +6,31 @@ A checkpoint is two files in one directory (``RUN_DIR/checkpoints`` for
     step-000000500.pt     torch.save of a dict of tensors and plain values
     step-000000500.json   {"format", "step", "sha256", "bytes", "saved_at", "meta"}
 
-Each is written to a temporary file, fsynced and renamed into place, the
-``.pt`` first: a checkpoint without its ``.json`` was cut short and is not
-one. :meth:`CheckpointStore.load_latest` verifies the checksum of the newest
-and, if it is damaged or unreadable, warns and falls back to the one before.
-Only plain values and tensors are stored, so ``torch.load(...,
-weights_only=True)`` reads them: a checkpoint cannot run code when loaded.
+Saving first checks that every value will load under ``weights_only=True``
+(:func:`omnilearn.weightsonly.first_refused`): a numpy scalar or a ``Path``
+is refused in one line naming the field (``extra['best']: numpy.float64``)
+before anything is written, so the existing checkpoints stay as they were.
+Each file is written to a temporary file, fsynced and renamed into place,
+the ``.pt`` first: a checkpoint without its ``.json`` was cut short and is
+not one.
+
+Reading tells two failures apart:
+
+- **damaged** (:class:`CheckpointDamaged`): the ``.pt`` is missing, shorter
+  or longer than its manifest says, or its SHA-256 does not match; or the
+  manifest is unreadable. A write that went wrong: :meth:`CheckpointStore.read_latest`
+  falls back to the newest intact one, warning and setting each damaged
+  newer pair aside as ``*.damaged`` (so it neither loads again nor counts
+  among the K kept, and no good checkpoint is pruned for it). When every
+  checkpoint is damaged it raises and moves nothing: a resume never quietly
+  becomes a fresh start, now or at the next try.
+- **unloadable**: the checksum matches but ``torch.load`` refuses the file
+  (written before the save checks, or by another program). No fallback: one
+  line naming the file and the field (:func:`omnilearn.weightsonly.refused_field`).
+
+:meth:`CheckpointStore.read_latest` returns the verified file bytes, so a
+caller can send them on (the BSP session broadcasts them in chunks) and
+:meth:`CheckpointStore.decode` them once, without another copy.
 
 Which state goes in is the caller's: :meth:`omnilearn.bsp.session.Session.save_checkpoint`
 (the session, the model, optimizer and LR scheduler) and the ASP server.
@@ -33,17 +52,52 @@ from typing import Any
 import torch
 
 from omnilearn.observe.rundir import write_atomic
+from omnilearn.weightsonly import FIX, first_refused, refused_field, refused_global
 
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{9,})\.json$")
+_PT = re.compile(r"^step-(\d{9,})\.pt$")
+DAMAGED = ".damaged"  # suffix of a damaged checkpoint's files, set aside
 
 
 class CheckpointError(RuntimeError):
-    """No usable checkpoint where one is needed, or one that does not fit this run."""
+    """No usable checkpoint where one is needed, one that does not load, or a state that would not load."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files do not match its manifest (a write that went wrong): an older one may be used."""
 
 
 class CheckpointWarning(UserWarning):
-    """A damaged checkpoint was skipped for an older one."""
+    """A damaged checkpoint was set aside for an older one."""
+
+
+class BufferFile(io.RawIOBase):
+    """A read-only, seekable file over ``data`` without copying it (``io.BytesIO`` copies anything but bytes)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        super().__init__()
+        self.data, self.pos = memoryview(data).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.data)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self.data) - self.pos))
+        memoryview(buffer).cast("B")[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
 
 
 class CheckpointStore:
@@ -62,10 +116,17 @@ class CheckpointStore:
         return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name)))
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
-        """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step); keep the newest K."""
+        """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step); keep the newest K.
+
+        A value ``torch.load(weights_only=True)`` would refuse is a :class:`CheckpointError` before anything is written.
+        """
+        refused = first_refused(state)
+        if refused is not None:
+            raise CheckpointError(f"checkpoint at step {step} was not written: {refused} would not load back "
+                                  f"(torch.load weights_only=True); {FIX}")
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        data = buffer.getvalue()
+        data = buffer.getbuffer()
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
         write_atomic(path, lambda f: f.write(data))
@@ -77,38 +138,108 @@ class CheckpointStore:
         return path
 
     def prune(self) -> None:
-        """Delete all but the newest ``keep`` checkpoints (and leftovers of cut writes older than them)."""
+        """Delete all but the newest ``keep`` checkpoints, and what cut writes left (called after a save)."""
         steps = self.steps()
         for step in steps[: max(0, len(steps) - self.keep)]:
             self.path(step).with_suffix(".json").unlink(missing_ok=True)  # the manifest first: never a .json alone
             self.path(step).unlink(missing_ok=True)
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Remove the leftovers of writes cut short (a process killed mid-save): temp files, and ``.pt`` files whose
+        manifest was never written. Only the one writer calls it, after its own save completed."""
+        kept = {self.path(step).name for step in self.steps()}
+        for p in self.dir.iterdir():
+            cut_pt = _PT.match(p.name) is not None and p.name not in kept
+            if cut_pt or (p.name.startswith(".step-") and p.name.endswith(".tmp")):
+                p.unlink(missing_ok=True)
 
     def manifest(self, step: int) -> dict[str, Any]:
         return json.loads(self.path(step).with_suffix(".json").read_text())
 
-    def load(self, step: int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-        """The checkpoint of ``step``, its checksum verified; :class:`CheckpointError` when it is damaged."""
+    def read(self, step: int) -> bytearray:
+        """The ``.pt`` bytes of ``step``, checked against its manifest; :class:`CheckpointDamaged` when they differ."""
+        path = self.path(step)
         try:
             manifest = self.manifest(step)
-            data = self.path(step).read_bytes()
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {self.path(step)} cannot be read: {e}") from None
+            raise CheckpointDamaged(f"checkpoint {path} is damaged: its manifest cannot be read ({e})") from None
         if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint {self.path(step)} has format {manifest.get('format')!r}; "
-                                  f"this version reads {FORMAT}")
-        if hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
-            raise CheckpointError(f"checkpoint {self.path(step)} is damaged: its checksum does not match "
-                                  f"({len(data)} bytes, {manifest.get('bytes')} written)")
+            raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}; this version reads "
+                                  f"{FORMAT}: resume with the version that wrote it")
         try:
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-        except Exception as e:  # a checksummed file that torch cannot read: another writer's, or a bug
-            raise CheckpointError(f"checkpoint {self.path(step)} cannot be loaded: {e}") from None
+            with open(path, "rb") as f:
+                size = f.seek(0, io.SEEK_END)
+                if size != manifest.get("bytes"):
+                    raise CheckpointDamaged(f"checkpoint {path} is damaged: {size} bytes, {manifest.get('bytes')} "
+                                            "written (cut short)")
+                f.seek(0)
+                data = bytearray(size)
+                f.readinto(data)
+        except OSError as e:
+            raise CheckpointDamaged(f"checkpoint {path} is damaged: it cannot be read ({e})") from None
+        if hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
+            raise CheckpointDamaged(f"checkpoint {path} is damaged: its checksum does not match ({size} bytes)")
+        return data
 
-    def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[int, dict[str, Any]] | None:
-        """(step, state) of the newest checkpoint that loads; damaged newer ones are skipped with a warning."""
+    @staticmethod
+    def decode(data: bytes | bytearray, path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        """Deserialise verified bytes of ``path`` (``weights_only=True``, no copy); a refusal names the field."""
+        try:
+            return torch.load(BufferFile(data), map_location=map_location, weights_only=True)
+        except Exception as e:  # a checksummed file that torch refuses: written before the checks, or elsewhere
+            name = refused_global(str(e))
+            if name is None:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise CheckpointError(f"checkpoint {path} passed its checksum but cannot be loaded: {first}") from None
+            field = refused_field(data, name) or "a field"
+            raise CheckpointError(f"checkpoint {path} passed its checksum but {field} holds a {name}, which "
+                                  f"torch.load(weights_only=True) refuses; register it with "
+                                  f"torch.serialization.add_safe_globals if you trust the file") from None
+
+    def load(self, step: int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        """The checkpoint of ``step``: :class:`CheckpointDamaged` when damaged, :class:`CheckpointError` when refused."""
+        return self.decode(self.read(step), self.path(step), map_location)
+
+    def set_aside(self, step: int) -> None:
+        """Rename a damaged checkpoint's files to ``*.damaged`` (the manifest first); kept for inspection."""
+        for path in (self.path(step).with_suffix(".json"), self.path(step)):
+            if path.exists():
+                path.replace(path.with_name(path.name + DAMAGED))
+
+    def read_latest(self) -> tuple[int, bytearray] | None:
+        """(step, verified bytes) of the newest intact checkpoint; None when there is none at all.
+
+        Damaged newer ones are set aside, each with a :class:`CheckpointWarning`. When all are damaged,
+        :class:`CheckpointError` and nothing is moved (never None: a resume must not quietly start over).
+        """
+        damaged: list[tuple[int, str]] = []
         for step in reversed(self.steps()):
             try:
-                return step, self.load(step, map_location)
-            except CheckpointError as e:
-                warnings.warn(f"{e}; falling back to the previous checkpoint", CheckpointWarning, stacklevel=2)
+                data = self.read(step)
+            except CheckpointDamaged as e:
+                damaged.append((step, str(e)))
+                continue
+            for bad, why in damaged:
+                self._fall_back(bad, why, step)
+            return step, data
+        if damaged:
+            raise CheckpointError(f"no usable checkpoint in {self.dir}: all {len(damaged)} are damaged (newest: "
+                                  f"{damaged[0][1]}); restore a good copy, or start a new run elsewhere")
         return None
+
+    def _fall_back(self, step: int, why: str, to: int) -> None:
+        try:
+            self.set_aside(step)
+            kept = f"set aside as {self.path(step).name}{DAMAGED}"
+        except OSError as e:
+            kept = f"left in place ({e.strerror})"
+        warnings.warn(f"{why}; {kept}, falling back to the checkpoint of step {to}", CheckpointWarning, stacklevel=3)
+
+    def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[int, dict[str, Any]] | None:
+        """(step, state) of the newest intact checkpoint (see :meth:`read_latest`); None when there is none."""
+        found = self.read_latest()
+        if found is None:
+            return None
+        step, data = found
+        return step, self.decode(data, self.path(step), map_location)

@@ -14,6 +14,10 @@
   uninterrupted run's weights; without restarts the launcher fails naming it.
 - The resumed run's metrics are appended after a ``resume`` event, and
   ``omnilearn report`` reads the run.
+- A resume never quietly becomes a fresh start: a damaged newest checkpoint
+  falls back to the one before; every checkpoint damaged, or one that passed
+  its checksum and does not load, fails the run naming the file (nothing
+  written, no checkpoint pruned); no checkpoint at all starts over saying so.
 
 Run: ``python -m pytest -q tests/faults/test_resume.py``
 """
@@ -28,9 +32,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from omnilearn import checkpoint
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.experiments.cli import main
 
@@ -172,3 +178,44 @@ def test_a_corrupt_latest_checkpoint_falls_back(uninterrupted, tmp_path, capfd):
     assert "step-000000020.pt is damaged: its checksum does not match" in capfd.readouterr().err
     assert [e["step"] for e in events(run, "resume")] == [10]
     assert rel_diff(uninterrupted, run) < 1e-6
+
+
+def checkpoint_files(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run / "checkpoints").iterdir())}
+
+
+def test_a_checksummed_checkpoint_that_does_not_load_fails_the_resume_naming_it(uninterrupted, tmp_path,
+                                                                                 monkeypatch, capfd):
+    """Written without the save check (an older version): no fallback to step 10, no fresh start."""
+    run = stopped_at(uninterrupted, tmp_path / "run", 20)
+    store = CheckpointStore(run / "checkpoints")
+    state = store.load(20)
+    state["extra"] = {"best": np.float64(0.5)}
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "first_refused", lambda state: None)
+        store.save(20, state)
+    before = checkpoint_files(run)
+    assert main(["train", "--out", str(run), "--resume", "--no-plots"]) == 1
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    assert "step-000000020.pt passed its checksum but extra['best'] holds a numpy" in err, err
+    assert checkpoint_files(run) == before and not (run / "model.pt").exists() and not events(run, "resume")
+
+
+def test_resume_with_every_checkpoint_damaged_fails_instead_of_starting_over(uninterrupted, tmp_path, capfd):
+    run = stopped_at(uninterrupted, tmp_path / "run", 20)
+    for step in (10, 20):
+        path = CheckpointStore(run / "checkpoints").path(step)
+        path.write_bytes(path.read_bytes()[:-10])
+    assert main(["train", "--out", str(run), "--resume", "--no-plots"]) == 1
+    err = capfd.readouterr().err
+    assert "no usable checkpoint in" in err.strip().splitlines()[-1] and "all 2 are damaged" in err
+    assert not (run / "model.pt").exists() and not events(run, "resume")
+    assert CheckpointStore(run / "checkpoints").steps() == [10, 20]  # left in place: the next try fails the same way
+
+
+def test_resume_before_any_checkpoint_starts_over_saying_so(uninterrupted, tmp_path, capfd):
+    run = stopped_at(uninterrupted, tmp_path / "run", 0)  # no checkpoint was complete
+    assert main(["train", "--out", str(run), "--resume", "--no-plots"]) == 0
+    err = capfd.readouterr().err
+    assert "omnilearn: warning: --resume: no checkpoint in" in err and "starting over from step 0" in err
+    assert [e["step"] for e in events(run, "resume")] == [0]

@@ -27,9 +27,11 @@ checkpoint that loads is restored and a ``resume`` event (``version``,
 are new processes and pull the weights at their first request. A relaunch
 starts every worker again, so workers dropped before the checkpoint are
 taken back in: then the controller starts afresh for all ``n``. No
-checkpoint yet: the run starts over from version 0 (the ``resume`` event at
-version 0 voids the earlier attempt's records). A checkpoint of another
-run shape is refused in one line.
+checkpoint yet: the run starts over from version 0, with an ``omnilearn:
+warning:`` line (the ``resume`` event at version 0 voids the earlier
+attempt's records). Checkpoints that are all damaged, one that passed its
+checksum and does not load, or one of another run shape: one line naming
+the file, never a fresh start (:meth:`~omnilearn.checkpoint.CheckpointStore.read_latest`).
 
 Stop signal (:mod:`omnilearn.stopping`): at the next request outside an
 evaluation the server saves a checkpoint, then tells each worker to stop,
@@ -46,6 +48,7 @@ from fractions import Fraction
 
 from omnilearn import stopping
 from omnilearn.checkpoint import CheckpointError, CheckpointStore
+from omnilearn.observe.console import warn
 
 KIND = "asp"
 
@@ -117,10 +120,13 @@ class Snapshots:
         server.clock.restore(float(state["train_s"]))
 
     def resume(self) -> None:
-        """Restore the newest checkpoint that loads (none: start over) and mark the record with a ``resume`` event."""
+        """Restore the newest intact checkpoint (none at all: start over, saying so); mark the record with ``resume``."""
         server = self.server
         found = self.store.load_latest() if self.store is not None else None
         if found is None:
+            if self.store is not None:
+                warn(f"--resume: no checkpoint in {self.store.dir} yet (the run stopped before its first); "
+                     "starting over from version 0")
             server.log.resume({}, 0, 0)
             return
         step, state = found

@@ -10,38 +10,52 @@ Saving is a collective (every rank calls it at the same step boundary):
    (:func:`~omnilearn.distributed.collect.gather_bytes`; no pickled objects
    cross the wire).
 3. Rank 0 writes one checkpoint through :class:`~omnilearn.checkpoint.CheckpointStore`
-   (atomic, checksummed, the newest K kept), then tells every rank whether
-   it worked, so a failed write (a full disk) raises the same error on every
-   rank instead of leaving peers waiting.
+   (every value checked to load under ``weights_only=True``, then atomic,
+   checksummed, the newest K kept), then tells every rank whether it worked,
+   so a failed write (a full disk, a numpy scalar in ``extra``) raises the
+   same one-line error on every rank instead of leaving peers waiting.
 
-Loading is a collective too: rank 0 reads the newest intact checkpoint
-(``weights_only=True``, a damaged newest one skipped with a warning) and
-broadcasts it as bytes, so other nodes need not see rank 0's disk. Every rank
-then loads the model, optimizer, scheduler and session state. The session
-state may come from another worker count (:meth:`Session.load_state_dict`:
-the split is re-planned, the data position carries on).
+Loading is a collective too (:func:`fetch_latest`): rank 0 reads the newest
+intact checkpoint's file bytes (checksum verified; a damaged newest one is
+set aside with a warning for the one before) and broadcasts them in CPU
+pieces over a gloo group (a side group under NCCL), so other nodes need not
+see rank 0's disk and no rank holds more than one copy of the file, none on
+its device. Every rank then deserialises them once on the CPU
+(``weights_only=True``) and loads the model, optimizer, scheduler and
+session state. The outcome is the same on every rank: the state, None when
+the directory holds no checkpoint at all, or the same :class:`CheckpointError`
+(every checkpoint damaged, or one that passed its checksum and does not load:
+no fallback then). The session state may come from another worker count
+(:meth:`Session.load_state_dict`: the split is re-planned, the data position
+carries on).
 
 The session's own ``state_dict`` (:func:`session_state`, :func:`load_session_state`,
-elastic loading included) lives here too; ``Session`` delegates to it.
+elastic loading included) lives here too; ``Session`` delegates to it. Each
+rank's part holds the state of its ``DataLoader``'s own generator
+(:func:`loader_generator_state`), so a resumed run's loader draws the numbers
+(worker seeds) an uninterrupted one draws.
 
-Run: ``python -m pytest -q tests/unit/test_checkpoint.py tests/faults/test_resume.py``
+Run: ``python -m pytest -q tests/unit/test_checkpoint.py tests/dist/test_checkpoint_load.py tests/faults/test_resume.py``
 """
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omnilearn.bsp.rng import load_rng_state, rng_state, seed_rank
+from omnilearn.bsp.rng import load_rng_state, rank_seed, rng_state, seed_rank
 from omnilearn.checkpoint import CheckpointError, CheckpointStore
-from omnilearn.distributed.collect import broadcast_bytes, gather_bytes
+from omnilearn.distributed.collect import broadcast_bytes, broadcast_chunks, gather_bytes
+from omnilearn.distributed.group import DistContext, cpu_group
 
 Session = Any  # omnilearn.bsp.session.Session, which imports this module
 
 STATE_FORMAT = 1  # of the session's state_dict
+REPLAY_LIMIT = 100_000  # draws searched for the loader generator's place in its seeded stream
 
 
 def to_bytes(obj: Any) -> bytes:
@@ -83,26 +97,53 @@ def save(session: Session, directory: str | Path, objects: dict[str, Any], *, ke
         info = {"workers": session.world_size, "global_batch": session.global_batch, **(meta or {})}
         try:
             path = CheckpointStore(directory, keep).save(session.next_step, full, info)
+        except CheckpointError as e:  # a value that would not load back: it names the field
+            error = str(e)
         except Exception as e:  # every rank raises it, below
-            error = f"{type(e).__name__}: {e}"
+            error = f"checkpoint at step {session.next_step} was not written: {type(e).__name__}: {e}"
     error = broadcast_bytes(session.ctx, error.encode() if session.is_main else None).decode()
     if error:
-        raise CheckpointError(f"checkpoint at step {session.next_step} was not written: {error}")
+        raise CheckpointError(error)
     return path
 
 
 def load(session: Session, directory: str | Path, objects: dict[str, Any]) -> dict | None:
-    """Load the newest checkpoint into the session and ``objects``; its ``extra`` dict, or None when there is none."""
-    data = b""
-    if session.is_main:
-        latest = CheckpointStore(directory).load_latest()
-        data = to_bytes(latest[1]) if latest is not None and session.ctx.grouped else b""
-        if latest is not None and not session.ctx.grouped:
-            return _apply(session, latest[1], objects)
-    data = broadcast_bytes(session.ctx, data)
-    if not data:
+    """Load the newest checkpoint into the session and ``objects``; its ``extra`` dict, or None when there is none.
+
+    :class:`CheckpointError` on every rank when the directory holds checkpoints and none can be used.
+    """
+    found = fetch_latest(session.ctx, CheckpointStore(directory))
+    if found is None:
         return None
-    return _apply(session, from_bytes(data), objects)
+    path, data = found
+    state = CheckpointStore.decode(data, path)  # every rank, once, on the CPU; the same error everywhere
+    del found, data  # the file's bytes go before the state is copied into the model
+    return _apply(session, state, objects)
+
+
+def fetch_latest(ctx: DistContext, store: CheckpointStore) -> tuple[Path, bytearray] | None:
+    """(path, verified file bytes) of the newest intact checkpoint on every rank; None when there is none.
+
+    Rank 0 reads the file; the bytes go out in CPU pieces (:func:`broadcast_chunks`). Rank 0's failure
+    (every checkpoint damaged, a format of another version, an unreadable directory) is raised on every rank.
+    """
+    header, data = {}, None
+    if ctx.is_main:
+        try:
+            found = store.read_latest()
+        except Exception as e:  # every rank raises it, below
+            header = {"error": str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"}
+        else:
+            if found is not None:
+                header, data = {"path": str(store.path(found[0]))}, found[1]
+    with cpu_group(ctx) as group:
+        sent = bytearray(json.dumps(header).encode()) if ctx.is_main else None
+        header = json.loads(broadcast_chunks(ctx, sent, group))
+        if "path" in header:
+            data = broadcast_chunks(ctx, data, group)
+    if "error" in header:
+        raise CheckpointError(header["error"])
+    return (Path(header["path"]), data) if "path" in header else None
 
 
 def _apply(session: Session, state: dict, objects: dict[str, Any]) -> dict:
@@ -119,6 +160,9 @@ def _apply(session: Session, state: dict, objects: dict[str, Any]) -> dict:
 def session_state(session: Session) -> dict:
     """The session's ``state_dict``: plain values and tensors; this rank's own part under ``rank<r>``."""
     mine = {"rng": rng_state(session.device), "window": [list(r) for r in session.ledger.rows()]}
+    loader_rng = loader_generator_state(session)
+    if loader_rng is not None:
+        mine["loader_generator"] = loader_rng
     if session.telemetry is not None:
         mine["telemetry"] = session.telemetry.state_dict()
     return {"format": STATE_FORMAT, "world_size": session.world_size, "global_batch": session.cfg.global_batch,
@@ -151,6 +195,9 @@ def load_session_state(session: Session, state: dict) -> None:
     mine = state.get(f"rank{session.rank}")
     if mine is not None:
         load_rng_state(mine["rng"], session.device)
+        generator = _loader_generator(session)
+        if generator is not None and "loader_generator" in mine:
+            generator.set_state(mine["loader_generator"])
         if same:
             session.ledger.resolved = [[float(v) for v in r] for r in mine["window"]]
     else:
@@ -159,3 +206,36 @@ def load_session_state(session: Session, state: dict) -> None:
     session.resumed_from = (session.next_step, int(state["world_size"]))
     session.pending_telemetry = (state.get("rank0") or {}).get("telemetry", {})
     session.restore_telemetry()
+
+
+def _loader_generator(session: Session) -> torch.Generator | None:
+    """The session's ``DataLoader``'s own generator (map-style data; None for streams and window sampling)."""
+    generator = getattr(getattr(session.loader, "loader", None), "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+def loader_generator_state(session: Session) -> torch.Tensor | None:
+    """The loader generator's state as it was when the ``DataLoader`` iterator serving the next step was made.
+
+    A ``DataLoader`` draws one number from its generator per iterator (its workers' seeds), and a resumed
+    run makes a new iterator for its first step. So: when the iterator serving the next step exists already
+    (this process handed out a step, and the next one is mid-epoch or the workers are persistent: one
+    iterator for the run), the state before its draw, found by replaying the generator's seeded stream;
+    else the state now (the next iterator draws from it). Not found within :data:`REPLAY_LIMIT` draws: now.
+    """
+    generator = _loader_generator(session)
+    if generator is None:
+        return None
+    now = generator.get_state()
+    persistent = bool(getattr(session.loader.loader, "persistent_workers", False))
+    if session.ledger.last_started < 0 or not (session.sampler.offset > 0 or persistent):
+        return now
+    replay = torch.Generator().manual_seed(rank_seed(session.cfg.seed, session.rank))
+    state = previous = replay.get_state()
+    for _ in range(REPLAY_LIMIT):
+        if torch.equal(state, now):
+            return previous
+        previous = state
+        torch.empty((), dtype=torch.int64).random_(generator=replay)  # the draw DataLoader makes per iterator
+        state = replay.get_state()
+    return now

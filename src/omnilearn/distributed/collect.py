@@ -7,7 +7,12 @@ only (the recorder's), so no rank receives what it does not use and the
 traffic per rank does not grow with the run. One process alone (no group)
 gets its own data back.
 
-Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_hooks.py``
+Checkpoint bytes travel by :func:`broadcast_chunks`: host memory, pieces of
+at most :data:`CHUNK_BYTES`, over a group that carries CPU tensors
+(:func:`~omnilearn.distributed.group.cpu_group`), received in place into one
+buffer: no device memory and no second copy on any rank.
+
+Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_hooks.py tests/dist/test_checkpoint_load.py``
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from omnilearn.distributed.group import DistContext
+
+CHUNK_BYTES = 16 * 2**20  # one piece of a broadcast_chunks
 
 
 def all_gather_row(ctx: DistContext, row: Sequence[float], group=None) -> list[list[float]]:
@@ -118,3 +125,21 @@ def broadcast_bytes(ctx: DistContext, data: bytes | None) -> bytes:
     if n:
         dist.broadcast(buf, src=0)
     return buf.cpu().numpy().tobytes() if not ctx.is_main else (data or b"")
+
+
+def broadcast_chunks(ctx: DistContext, data: bytearray | None, group=None) -> bytearray:
+    """Rank 0's ``data`` on every rank (others pass None), sent as CPU tensors of at most :data:`CHUNK_BYTES`.
+
+    ``group`` must carry CPU tensors (:func:`~omnilearn.distributed.group.cpu_group`). Rank 0's buffer is
+    sent as it is (views of it); the others receive into one ``bytearray`` of its size, piece by piece.
+    """
+    if not ctx.grouped:
+        return data if data is not None else bytearray()
+    size = torch.tensor([len(data) if ctx.is_main and data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buf = (data if data is not None else bytearray()) if ctx.is_main else bytearray(int(size.item()))
+    if buf:
+        view = torch.frombuffer(buf, dtype=torch.uint8)
+        for start in range(0, len(buf), CHUNK_BYTES):
+            dist.broadcast(view[start : start + CHUNK_BYTES], src=0, group=group)
+    return buf

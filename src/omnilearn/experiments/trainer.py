@@ -16,9 +16,14 @@ Checkpoints (``RUN_DIR/checkpoints``, the newest ``--keep-checkpoints``):
 at the first control-interval end at or after every ``--checkpoint-every``
 steps, at the end, and when a stop signal was agreed on (then
 :class:`~omnilearn.stopping.Stopped` is raised). With ``--resume`` the
-newest one is loaded first (model, optimizer, LR schedule, session) and the
-loop goes on from its epoch and step; with no checkpoint yet the run starts
-over (a ``resume`` event at step 0 voids the earlier records).
+newest intact one is loaded first (model, optimizer, LR schedule, session)
+and the loop goes on from its epoch and step. A resume never quietly starts
+over: checkpoints that are all damaged, or one that passed its checksum and
+does not load, stop every rank with one line naming the file
+(:class:`~omnilearn.checkpoint.CheckpointError`); only a run with no
+checkpoint yet (stopped before its first, e.g. a ``--max-restarts`` retry)
+starts over, with an ``omnilearn: warning:`` line saying so and a
+``resume`` event at step 0 that voids the earlier records.
 
 Fault injection for tests: ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` makes
 that rank SIGKILL itself when it reaches ``step`` in a run that is not a
@@ -44,7 +49,7 @@ from omnilearn.experiments import faultinject, workload
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.datasets import core as data
 from omnilearn.experiments.workload import PREFETCH_FACTOR, resolve
-from omnilearn.observe.console import startup, took
+from omnilearn.observe.console import startup, took, warn
 
 
 SLOW_FIRST_STEP_S = 2.0  # a first step this slow is reported at once (the first progress line may be far off)
@@ -72,6 +77,9 @@ class BSPTrainer:
         self.checkpoints = run_dir / "checkpoints" if run_dir is not None else Path("checkpoints")
         self.objects = {"model": self.model, "optimizer": self.opt, "scheduler": self.lr_sched}
         if cfg.resume and not self._resume():
+            if ctx.is_main:
+                warn(f"--resume: no checkpoint in {self.checkpoints} yet (the run stopped before its first); "
+                     "starting over from step 0")
             self.session.resumed_from = (0, cfg.workers)  # nothing saved yet: start over, voiding earlier records
             if self.session.telemetry is not None:
                 self.session.telemetry.resume({}, 0, cfg.workers)
@@ -80,7 +88,7 @@ class BSPTrainer:
         self.kill_at = faultinject.kill_step(ctx.rank) if not cfg.resume else None
 
     def _resume(self) -> bool:
-        """Load the newest checkpoint (False: none); rank 0 records how long the load took."""
+        """Load the newest checkpoint (False: none at all; none usable raises); rank 0 records how long it took."""
         start = time.perf_counter()
         loaded = self.session.load_checkpoint(self.checkpoints, **self.objects)
         if loaded and self.session.telemetry is not None:
