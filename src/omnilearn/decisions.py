@@ -5,9 +5,12 @@ Both synchronous runtimes -- PyTorch (:mod:`omnilearn.bsp`) and TensorFlow
 with :func:`make_loop` and, at the end of a control window, gather one row
 per worker in the same layout (:func:`table_row`)::
 
-    [kind, steps_done, last step sampled, stop asked, cap, median step_s, *window_row]
+    [kind, steps_done, last step sampled, stop asked, cap, median step_s, reset pending, plan crc, *window_row]
 
-with one collective (gloo/NCCL all-gather, or a ``tf.distribute`` SUM
+(``kind``: :data:`INTERVAL`, :data:`CHECK` or :data:`SYNC_BUFFERS`; ``reset
+pending``: this worker reset DDP's reducer alone after an out-of-memory redo,
+:mod:`omnilearn.bsp.memory`; ``plan crc``: :func:`plan_checksum`, 0 where a
+runtime does not check it) with one collective (gloo/NCCL all-gather, or a ``tf.distribute`` SUM
 all-reduce), then hand the table to :func:`feed` (the interval's end) or
 :func:`check` (a look within the interval for a clear speed shift). So the
 same plan fed the same timings gives the same batches in either framework:
@@ -25,7 +28,9 @@ Run: ``python -m pytest -q tests/unit/test_decisions.py tests/tf``
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import zlib
 from statistics import median
 from typing import Sequence
 
@@ -36,7 +41,8 @@ from omnilearn.config import BalanceConfig
 from omnilearn.data.schedule import BatchSchedule
 from omnilearn.runplan import initial_speeds
 
-HEADER = 6  # kind, steps done, last step sampled, stop asked, cap, median step_s
+INTERVAL, SYNC_BUFFERS, CHECK = 1, 2, 3  # the kinds of meeting point (CHECK: a look within an interval)
+HEADER = 8  # kind, steps done, last step sampled, stop asked, cap, median step_s, reset pending, plan crc
 SCRIPTED_ENV = "OMNILEARN_TEST_S_PER_SAMPLE"
 
 
@@ -77,9 +83,21 @@ def summarise(loop: ControlLoop, rank: int, rows: Sequence[Sequence[float]]) -> 
 
 
 def table_row(kind: int, steps_done: int, last_read: int, window: Sequence[float], stop: bool = False,
-              cap: int | None = None, step_s: float = 0.0) -> list[float]:
+              cap: int | None = None, step_s: float = 0.0, reset: bool = False, plan: int = 0) -> list[float]:
     """One worker's row of the gathered table (the layout above)."""
-    return [kind, steps_done, last_read, float(stop), float(cap or 0), step_s, *window]
+    return [kind, steps_done, last_read, float(stop), float(cap or 0), step_s, float(reset), float(plan), *window]
+
+
+def plan_checksum(schedule: BatchSchedule, step: int, lag: int) -> int:
+    """CRC-32 of what decides which samples every worker takes from ``step`` on: the plan in force at ``step``,
+    every change registered after it, and the loop's lag (exact in a float64 header field)."""
+    later = [(s, p) for s, p in zip(schedule.starts, schedule.plans) if s > step]
+    return zlib.crc32(json.dumps([lag, schedule.peek(step), later]).encode())
+
+
+def plans_differ(table: Sequence[Sequence[float]]) -> list[int]:
+    """The workers whose plan checksum differs from worker 0's (none when all agree)."""
+    return [rank for rank, row in enumerate(table) if row[7] != table[0][7]]
 
 
 def feed(loop: ControlLoop, schedule: BatchSchedule, step: int, table: Sequence[Sequence[float]]) -> Decision:
@@ -104,6 +122,11 @@ def check(loop: ControlLoop, schedule: BatchSchedule, step: int, table: Sequence
 def stop_asked(table: Sequence[Sequence[float]]) -> bool:
     """Whether any worker asked to stop (a signal): every worker stops after the same step."""
     return any(row[3] for row in table)
+
+
+def reset_asked(table: Sequence[Sequence[float]]) -> bool:
+    """Whether any worker has a reducer reset pending: every worker resets after this same step."""
+    return any(row[6] for row in table)
 
 
 def check_every(interval: int) -> int:

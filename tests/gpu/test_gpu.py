@@ -10,7 +10,8 @@
 - Two GPUs (NCCL, heterogeneous emulated speeds, accumulation): every rank
   ends with the same weights, equal to one process training alone.
 - Memory (:mod:`omnilearn.bsp.memory`): ``max_batch="auto"`` measures the
-  first step and caps the rank (more than that step's batch on a big GPU);
+  first steps and caps the rank at the best estimate (more than a step's
+  batch on a big GPU);
   a real CUDA out-of-memory error in the forward (an impossible allocation
   above 16 samples) halves the cap and redoes the step: the weights equal a
   run without it, and the allocator's memory is given back.
@@ -177,10 +178,11 @@ def _memory_run(fn_cap: int | None, **settings) -> tuple[dict, omnilearn.Session
     return {k: v.detach().cpu() for k, v in ol.module.state_dict().items()}, ol
 
 
-def test_auto_cap_probes_the_first_step():
-    _, ol = _memory_run(None, max_batch="auto")
+def test_auto_cap_probes_the_first_steps():
+    _, ol = _memory_run(None, max_batch="auto")  # 8 steps: the probe measured the first PROBE_STEPS, then left
     assert ol.max_batch is not None and ol.max_batch > 64  # a tiny model on a big GPU
-    assert ol.memory.reported() == ol.max_batch and ol.probe is None
+    assert ol.memory.reported() == ol.max_batch == ol.memory.probed and ol.probe is None
+    assert ol.memory.limit is None  # a probe's cap, which a later probe may raise; no out-of-memory limit
 
 
 def test_a_real_cuda_out_of_memory_error_is_recovered(capsys):

@@ -7,6 +7,14 @@
 - Pure parts: split sizes (hypothesis: sum kept, every part within the cap,
   as few parts as possible), cutting a collated batch, the CUDA probe's
   arithmetic, the fault spec.
+- The CUDA probe over several steps with a fake allocator: the first step's
+  one-off allocations give a low cap, a later step raises it (best of the
+  probes), an out-of-memory limit stays a ceiling.
+- :class:`~omnilearn.bsp.memory.ReducerResets` on a stand-in for DDP: a
+  reset only after an announced syncing forward, pending only when DDP had
+  rebuilt its buckets, again after every step until a meeting, where every
+  rank resets.
+- A token-count step whose counts are all zero gets a zero gradient, not NaN.
 - A session with an emulated cap (``OMNILEARN_FAULT_OOM``): ``run_step``
   lowers the cap, redoes the step and ends with the weights of a run without
   the error (with and without accumulation); one sample that does not fit is
@@ -26,8 +34,8 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import omnilearn
-from omnilearn.bsp.memory import (FAULT_OOM_ENV, cap_from_memory, fault_oom_samples, lowered_cap, rank_cap,
-                                  split_batch, split_sizes)
+from omnilearn.bsp.memory import (FAULT_OOM_ENV, CudaProbe, Failure, MemoryCap, ReducerResets, cap_from_memory,
+                                  fault_oom_samples, lowered_cap, rank_cap, split_batch, split_sizes)
 from omnilearn.config import BalanceConfig, ConfigError, dump_toml
 from omnilearn.experiments.config import TrainConfig, normalise_keys
 from tokendata import PairData
@@ -106,6 +114,97 @@ def test_fault_spec():
         fault_oom_samples(0, "zero")
 
 
+class FakeAllocator:
+    """Scripted allocator statistics, one (allocated at the start, peak) pair per step; 100_000 bytes of device."""
+
+    def __init__(self, steps: list[tuple[int, int]]) -> None:
+        self.steps = steps
+
+    def start(self) -> int:
+        return self.steps[0][0]
+
+    def peak(self) -> int:
+        return self.steps.pop(0)[1]
+
+    def capacity(self) -> int:
+        return 100_000
+
+
+def test_the_cuda_probe_recovers_from_the_first_steps_one_off_allocations():
+    # 1000 bytes of weights; the first step adds their gradients (1000) and the optimizer state (2000) once;
+    # activations take 10 bytes a sample. 85% of 100_000 may be used.
+    steps = [(1000, 1000 + 3000 + 320), (4000, 4000 + 320), (4000, 4000 + 400)]
+    probe, memory = CudaProbe(torch.device("cpu"), source=FakeAllocator(steps)), MemoryCap(None, accumulation_steps=2)
+    caps = []
+    for _ in range(3):
+        assert not probe.done
+        probe.begin()
+        caps.append(probe.end(32))
+        memory.probe(caps[-1])
+    assert probe.done and caps == [(85_000 - 1000) * 32 // 3320, (85_000 - 4000) // 10, (85_000 - 4000) * 32 // 400]
+    assert memory.cap == 8100 and memory.reported() == 2 * 8100  # the best: the first step's 809 rose
+    memory.learn(lowered_cap(6000))  # an out-of-memory error is a ceiling no probe lifts
+    memory.probe(9000)
+    assert memory.cap == 3000 and memory.reported() == 6000
+    with pytest.raises(ValueError, match="probe at least 1 step"):
+        CudaProbe(torch.device("cpu"), steps=0)
+
+
+class StandInDDP(nn.Linear):
+    """What :class:`ReducerResets` reads of DDP: ``reducer._reset_state``, ``require_backward_grad_sync``,
+    ``_has_rebuilt_buckets`` (DDP's mirror of its reducer's flag)."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 1)
+        self.reducer = self
+        self.require_backward_grad_sync, self._has_rebuilt_buckets, self.resets = True, True, 0
+
+    def _reset_state(self) -> None:
+        self.resets += 1
+
+
+def test_reducer_resets_keep_ddps_bucket_rebuild_collective():
+    failed = Failure(8, "forward", True, "")
+    ddp, peer, resets, peers = StandInDDP(), StandInDDP(), ReducerResets(), ReducerResets()
+    resets.watch(ddp), resets.watch(ddp), peers.watch(peer)  # the hook once per model
+    resets.begin()
+    resets.after(failed)  # nothing announced: the error came before (or inside) DDP's forward
+    assert ddp.resets == 0 and not resets.pending and ddp._has_rebuilt_buckets
+    ddp.require_backward_grad_sync = False
+    ddp(torch.ones(1, 2))  # a micro-batch that does not sync announces nothing
+    resets.after(failed)
+    assert ddp.resets == 0
+    ddp.require_backward_grad_sync = True
+    ddp(torch.ones(1, 2))  # the syncing forward announced its backward; the loss fails after it
+    resets.after(failed)
+    assert ddp.resets == 1 and resets.pending and not ddp._has_rebuilt_buckets
+    resets.step_done(), peers.step_done()  # after every step's backward until the meeting: this rank alone
+    resets.step_done()
+    assert (ddp.resets, peer.resets) == (3, 0)
+    flags = [resets.pending, peers.pending]  # the meeting's rows
+    resets.met(any(flags)), peers.met(any(flags))
+    assert (ddp.resets, peer.resets) == (4, 1) and not resets.pending and not peer._has_rebuilt_buckets
+    ddp(torch.ones(1, 2))  # between the collective reset and the rebuild: a reset, but every rank still rebuilds
+    resets.after(failed)
+    resets.step_done()
+    assert ddp.resets == 5 and not resets.pending
+    with torch.no_grad():
+        ddp(torch.ones(1, 2))  # evaluation announces nothing
+    resets.after(failed)
+    assert ddp.resets == 5
+    alone = ReducerResets()
+    alone.watch(nn.Linear(2, 1))  # one process, no DDP: nothing to do
+    alone.met(True)
+    assert alone.model is None
+
+
+def test_token_counts_all_zero_give_a_zero_gradient():
+    ol = omnilearn.setup(global_batch=8, device="cpu", accumulation_steps=2)
+    model = ol.wrap_model(nn.Linear(6, 3))
+    for micro in next(iter(ol.data_loader(PairData(16)))):
+        ol.backward(F.cross_entropy(model(micro[0]), micro[1]) * 0.0, count=0)  # finite loss over no token
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())  # was 0 x (c / 0) = NaN
+    assert float(ol.micro.hook.weight) == 2.0  # c / max(N, 1) with c = k x max(n_0, 1) = 2
 
 
 def train(accumulation_steps: int = 1) -> tuple[list[torch.Tensor], omnilearn.Session]:

@@ -1,19 +1,26 @@
 """Where ranks meet: the end of a control interval, and the check that all ranks are at the same point.
 
 Every collective of the session starts with :func:`meet`: one all-gather of
-a short row per rank, ``[kind, steps_done, last step sampled, stop, cap, step_s, *window]``
-(``stop``: this rank got a stop signal, any rank's makes every rank stop at
-this interval's end; ``cap``: this rank's largest batch, 0 for none beyond the
-config's, lowered after an out-of-memory error; ``step_s``: the median wall
-time of its steps in the window, the measured objective).
+a short row per rank, ``[kind, steps_done, last step sampled, stop, cap, step_s, reset, plan, *window]``
+(:func:`~omnilearn.decisions.table_row`; ``stop``: this rank got a stop
+signal, any rank's makes every rank stop at this interval's end; ``cap``:
+this rank's largest batch, 0 for none beyond the config's, lowered after an
+out-of-memory error; ``step_s``: the median wall time of its steps in the
+window, the measured objective; ``reset``: this rank reset DDP's reducer
+alone after an out-of-memory redo, any rank's makes every rank reset it after
+this step, :class:`~omnilearn.bsp.memory.ReducerResets`; ``plan``: the CRC of
+this rank's batch plan from this step on and its lag,
+:func:`~omnilearn.decisions.plan_checksum`).
 All ranks must be at the same kind of point after the same number of steps;
 if one rank calls ``sync_buffers()`` while another ends a control interval,
 every rank that meets raises the same clear error instead of pairing
-unrelated collectives.
+unrelated collectives. A rank whose plan differs from rank 0's (it would
+read slices that overlap or leave gaps) makes every rank raise an error
+naming it, at the first window meeting after the plans parted.
 
 At a control interval the row carries this rank's
 :func:`~omnilearn.balance.loop.window_row` (its ``compute_s`` at its current
-planned batch), so the same all-gather (``n x 10`` numbers, whatever the
+planned batch), so the same all-gather (``n x 12`` numbers, whatever the
 interval's length) feeds the :class:`~omnilearn.balance.loop.ControlLoop` on
 every rank and all reach the same decision. Between interval ends, every
 :func:`check_every` steps (a third of the interval) :func:`check_window` gathers the same row for the
@@ -25,7 +32,12 @@ a ``DataLoader`` that fetches ahead): the first step no rank has sampled.
 
 Before any of this, :func:`check_same_settings` compares the settings all
 ranks must share (:func:`~omnilearn.config.shared_settings`: not paths, not
-the device) and names the ones that differ.
+the device) and names the ones that differ; when the data starts,
+:func:`agree_on_data` (one all-gather of two numbers) refuses data sources
+of different sizes and gives every rank the deepest prefetch of any rank, so
+all plan changes with the same lag (a rank with fewer loader workers or a
+smaller prefetch factor would otherwise register a change for another step
+near the run's end).
 
 Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_bsp.py``
 """
@@ -38,13 +50,13 @@ from typing import Sequence
 
 from omnilearn.balance.controllers import Decision
 from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop
-from omnilearn.config import BalanceConfig, shared_settings
+from omnilearn.config import BalanceConfig, ConfigError, shared_settings
 from omnilearn.data.schedule import BatchSchedule
-from omnilearn.decisions import check, feed, stop_asked, summarise, table_row
+from omnilearn.decisions import (CHECK, INTERVAL, SYNC_BUFFERS, check, feed, plan_checksum, plans_differ, reset_asked,
+                                  stop_asked, summarise, table_row)
 from omnilearn.distributed.collect import all_gather_row, disagreements
 from omnilearn.distributed.group import DistContext
 
-INTERVAL, SYNC_BUFFERS, CHECK = 1, 2, 3  # CHECK: a look at the steps so far, within an interval
 POINTS = {INTERVAL: "the end of a control interval", SYNC_BUFFERS: "sync_buffers() (or finish())",
           CHECK: "a check within a control interval"}
 SETTINGS_SLOTS = 128  # fingerprints compared at start: one for the names, one per setting (the rest folded)
@@ -68,17 +80,31 @@ def check_same_settings(ctx: DistContext, cfg: BalanceConfig, total_steps: int |
                        "(paths, the device and console settings may differ)")
 
 
+def agree_on_data(ctx: DistContext, size: int, prefetch_batches: int, what: str = "dataset") -> int:
+    """The deepest ``prefetch_batches`` of any rank; raises on every rank unless all read ``size`` samples."""
+    table = all_gather_row(ctx, [size, prefetch_batches])
+    sizes = [int(row[0]) for row in table]
+    if len(set(sizes)) > 1:
+        ranks: dict[int, list[int]] = {}
+        for rank, n in enumerate(sizes):
+            ranks.setdefault(n, []).append(rank)
+        said = "; ".join(f"{n} on ranks {r}" for n, r in ranks.items())
+        raise ConfigError(f"the ranks' {what}s differ in size ({said}): every rank must read the same {what} "
+                          "(each takes its slice of every global batch from it)")
+    return max(int(row[1]) for row in table)
+
+
 def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
          window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
-         step_s: float = 0.0) -> list[list[float]]:
-    """All ranks' rows; raises on every rank if they are not at the same point.
+         step_s: float = 0.0, reset: bool = False, plan: int = 0) -> list[list[float]]:
+    """All ranks' rows; raises on every rank if they are not at the same point or hold different plans.
 
     A rank that never comes (it skipped the call and waits in a training
     step's gradient sync instead) leaves this rank waiting until the process
     group's timeout; the error then says so.
     """
     try:
-        table = all_gather_row(ctx, table_row(kind, steps_done, last_read, window, stop, cap, step_s))
+        table = all_gather_row(ctx, table_row(kind, steps_done, last_read, window, stop, cap, step_s, reset, plan))
     except RuntimeError as e:
         raise RuntimeError(f"rank {ctx.rank} waited at {POINTS.get(kind, kind)} after {steps_done} steps and the "
                            f"other ranks did not come: call step(), sync_buffers() and finish() on every rank at the "
@@ -91,27 +117,39 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
         said = "; ".join(f"ranks {ranks} at {POINTS.get(k, k)} after {s} steps" for (k, s), ranks in groups.items())
         raise RuntimeError(f"ranks are out of step: {said}. Call step(), sync_buffers() and finish() on every rank "
                            "at the same points of the loop")
+    differ = plans_differ(table)
+    if differ:
+        raise RuntimeError(f"ranks {differ} hold a batch plan other than rank 0's at {POINTS.get(kind, kind)} after "
+                           f"{steps_done} steps (their slices of the global batch would overlap or leave gaps): start "
+                           "every rank with the same settings, data and checkpoint, and change plans only through "
+                           "the session")
     return table
 
 
 def end_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
-               rows: list[list[float]], stop: bool = False, cap: int | None = None) -> tuple[Decision, bool]:
+               rows: list[list[float]], stop: bool = False, cap: int | None = None,
+               reset: bool = False) -> tuple[Decision, bool, bool]:
     """Feed this interval to the loop on every rank; register a change in ``schedule``. ``rows``: this rank's.
 
-    Also: whether any rank asked to stop (``stop`` is this rank's wish). ``cap``: this rank's batch cap.
+    Also: whether any rank asked to stop (``stop`` is this rank's wish) and
+    whether any rank has a reducer reset pending (``reset``: this rank's).
+    ``cap``: this rank's batch cap.
     """
     mine, step_s = summarise(loop, ctx.rank, rows)
-    table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine, stop, cap, step_s)
-    return feed(loop, schedule, step, table), stop_asked(table)
+    table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine, stop, cap, step_s, reset,
+                 plan_checksum(schedule, step, loop.lag))
+    return feed(loop, schedule, step, table), stop_asked(table), reset_asked(table)
 
 
 def check_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
-                 rows: list[list[float]], cap: int | None = None) -> Decision | None:
+                 rows: list[list[float]], cap: int | None = None, reset: bool = False) -> tuple[Decision | None, bool]:
     """A mid-interval check on the steps since the last one: a decision if some worker's speed clearly shifted.
 
     ``None`` when no rank's window shifted (nothing recorded: the interval's
-    end sees these steps again in its whole window).
+    end sees these steps again in its whole window); and whether any rank has
+    a reducer reset pending (``reset``: this rank's).
     """
     mine, step_s = summarise(loop, ctx.rank, rows)
-    table = meet(ctx, CHECK, steps_done, schedule.last_read, mine, False, cap, step_s)
-    return check(loop, schedule, step, table)
+    table = meet(ctx, CHECK, steps_done, schedule.last_read, mine, False, cap, step_s, reset,
+                 plan_checksum(schedule, step, loop.lag))
+    return check(loop, schedule, step, table), reset_asked(table)

@@ -2,9 +2,11 @@
 
 Each rank has a *cap*: the most samples it runs in one forward/backward.
 It starts at the configured ``max_batch`` (one number, or this rank's entry
-of a per-worker list) and only goes down: after an out-of-memory error (half
-the micro-batch that failed), or on CUDA with ``max_batch="auto"`` from a
-probe of the first step (:class:`CudaProbe`). The session reports the
+of a per-worker list). An out-of-memory error lowers it for good (half the
+micro-batch that failed); on CUDA with ``max_batch="auto"``
+:class:`CudaProbe` measures the first :data:`PROBE_STEPS` steps and the cap
+is the best of their estimates (the first step's one-off allocations make
+its estimate low, so a later probe may raise it). The session reports the
 learned cap (times ``accumulation_steps``: a share of ``K x cap`` still fits
 in ``K`` micro-batches) at every control-interval end; the
 :class:`~omnilearn.balance.loop.ControlLoop` then plans within it, effective
@@ -19,12 +21,32 @@ as always, so the update is the same whatever the split.
 ``ol.backward`` and turns ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``
 is the same class) into a :class:`Failure`, after which the frames holding
 the failed attempt's activations are gone; the session then clears the
-gradients, empties the CUDA cache, lowers the cap and redoes the step
+gradients, resets DDP's reducer where needed (below), empties the CUDA
+cache, lowers the cap and redoes the step
 (:meth:`~omnilearn.bsp.session.Session.run_step`). An error in a forward, or
 in a backward that does not sync (not the step's last micro-batch), is
 recoverable: no gradient left the rank. One in the *syncing* backward under
 DDP is not (some gradient buckets may be in flight while the peers wait in
 their all-reduce): the session raises a clear error naming the cap to set.
+
+Resetting DDP's reducer (:class:`ReducerResets`). When the error came after
+DDP's forward had announced a syncing backward (the loss failed after
+``model(x)``), the reducer expects that backward's gradients, and the
+redo's non-syncing backwards would all-reduce: this rank calls
+``reducer._reset_state()`` (what DDP's own ``_update_process_group`` calls).
+That also re-arms DDP's one-off bucket rebuild on this rank alone: its next
+syncing backward would queue the gradients' order and its next forward
+would broadcast new bucket indices from rank 0, a collective no peer joins
+(gloo errors or hangs, NCCL hangs). So the rank keeps a *reset pending*
+flag and, after each step's backward until the next window meeting,
+resets again (dropping what that backward queued); the meeting's row
+carries the flag (:func:`~omnilearn.decisions.table_row`), and if any
+rank's is set every rank resets after that same step: from then on all
+rebuild their buckets together, at the same forward. No collective is added
+per step. An error before DDP's forward ran (the emulated one below), or
+inside it, needs no reset and leaves the reducer alone; a reset before the
+first rebuild, or between a collective reset and its rebuild, sets no flag
+(every rank is still to rebuild).
 
 Tests emulate a cap on CPU: ``OMNILEARN_FAULT_OOM=<rank>:<samples>[,<rank>:<samples>...]``
 makes every training forward (gradients on) of that rank's wrapped model
@@ -49,6 +71,7 @@ from omnilearn.data.plan import micro_sizes
 
 FAULT_OOM_ENV = "OMNILEARN_FAULT_OOM"
 PROBE_MARGIN = 0.15  # of the device memory the CUDA probe leaves free (allocator fragmentation, other tenants)
+PROBE_STEPS = 3  # steps the CUDA probe measures: the first has one-off allocations, the best estimate counts
 
 
 def rank_cap(max_batch: int | tuple[int, ...] | str | None, rank: int) -> int | None:
@@ -140,20 +163,26 @@ class MemoryCap:
 
     def __init__(self, configured: int | None, accumulation_steps: int = 1) -> None:
         self.configured, self.accumulation_steps = configured, accumulation_steps
-        self.limit: int | None = None  # learned: out of memory, or the CUDA probe
+        self.limit: int | None = None  # learned from out-of-memory errors (and a checkpoint): only goes down
+        self.probed: int | None = None  # the CUDA probe's best estimate so far: a later probe may raise it
 
     @property
     def cap(self) -> int | None:
         """The most samples one micro-batch may have (None: no cap)."""
-        caps = [c for c in (self.configured, self.limit) if c is not None]
+        caps = [c for c in (self.configured, self.limit, self.probed) if c is not None]
         return min(caps) if caps else None
 
     def reported(self) -> int | None:
         """The largest share the planner should give this rank beyond the configured caps (None: no more cap)."""
-        return None if self.limit is None else self.limit * self.accumulation_steps
+        caps = [c for c in (self.limit, self.probed) if c is not None]
+        return min(caps) * self.accumulation_steps if caps else None
 
     def learn(self, cap: int) -> None:
         self.limit = cap if self.limit is None else min(self.limit, cap)
+
+    def probe(self, cap: int) -> None:
+        """A CUDA probe's cap: the best of the probes so far (the first step's one-off allocations make it low)."""
+        self.probed = cap if self.probed is None else max(self.probed, cap)
 
     def lower(self, failed: int) -> tuple[int | None, int]:
         """A micro-batch of ``failed`` samples ran out of memory: (the cap before, the cap now)."""
@@ -201,30 +230,104 @@ def cap_from_memory(samples: int, base_bytes: int, peak_bytes: int, capacity_byt
     return max(1, int(((1.0 - margin) * capacity_bytes - base_bytes) // per_sample))
 
 
-class CudaProbe:
-    """``max_batch="auto"``: measure one step's peak memory on a CUDA device and extrapolate a cap."""
+class CudaMemory:
+    """What :class:`CudaProbe` reads: the CUDA allocator's statistics for one device (tests pass a fake)."""
 
-    def __init__(self, device: torch.device, margin: float = PROBE_MARGIN) -> None:
-        self.device, self.margin, self.base = device, margin, 0
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> int:
+        """Reset the peak; the bytes allocated now."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def capacity(self) -> int:
+        """What the device could give: its free memory plus what the allocator holds."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device)
+
+
+class CudaProbe:
+    """``max_batch="auto"``: measure the peak memory of the first ``steps`` steps and extrapolate a cap from each.
+
+    The first step also allocates the gradients and the optimizer state, once,
+    and counts them as per-sample memory: its cap is low. The later steps see
+    only what grows with the batch, so :meth:`MemoryCap.probe` keeps the best.
+    """
+
+    def __init__(self, device: torch.device, margin: float = PROBE_MARGIN, steps: int = PROBE_STEPS,
+                 source: CudaMemory | None = None) -> None:
+        if steps < 1:
+            raise ValueError(f"CudaProbe(steps={steps}): probe at least 1 step")
+        self.source = CudaMemory(device) if source is None else source
+        self.margin, self.steps_left, self.base = margin, steps, 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every step to probe was probed (the session then drops the probe)."""
+        return self.steps_left == 0
 
     def begin(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
+        self.base = self.source.start()
 
     def end(self, samples: int) -> int:
         """The cap for micro-batches like the largest one (``samples``) of the step since :meth:`begin`."""
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        capacity = free + torch.cuda.memory_reserved(self.device)
-        return cap_from_memory(samples, self.base, peak, capacity, self.margin)
+        self.steps_left = max(self.steps_left - 1, 0)
+        return cap_from_memory(samples, self.base, self.source.peak(), self.source.capacity(), self.margin)
 
 
-def reset_reducer(model: nn.Module, failure: Failure) -> None:
-    """Under DDP, forget a failed attempt's announced backward: after a forward that was to sync, DDP's
-    reducer waits for that backward's gradients, and the redo's non-syncing backwards would all-reduce."""
-    reducer = getattr(model, "reducer", None)
-    if failure.syncing and failure.phase == "forward" and reducer is not None:
-        reducer._reset_state()  # what DDP's own process-group update calls; no public equivalent
+class ReducerResets:
+    """DDP's reducer after an out-of-memory redo, reset so that its bucket rebuild stays collective.
+
+    See "Resetting DDP's reducer" in the module docstring. ``announced``: the
+    current micro-batch's DDP forward returned and announced a syncing
+    backward (a forward hook); ``pending``: this rank reset alone and resets
+    again after each step's backward until the ranks meet (:meth:`met`).
+    Without DDP (one process) every method does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.announced = self.pending = False
+
+    def watch(self, model: nn.Module | None) -> None:
+        """Follow ``model``'s forwards (once per model; nothing for a model without DDP's reducer)."""
+        if model is None or model is self.model or getattr(model, "reducer", None) is None:
+            return
+        self.model = model
+        model.register_forward_hook(self._forwarded)
+
+    def _forwarded(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.announced = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
+
+    def begin(self) -> None:
+        """An attempt at the step starts: no forward announced yet."""
+        self.announced = False
+
+    def after(self, failure: Failure) -> None:
+        """A failed attempt: forget its announced backward (its rank alone: pending when buckets were rebuilt)."""
+        if failure.phase == "forward" and self.announced:
+            self.pending |= bool(getattr(self.model, "_has_rebuilt_buckets", False))
+            self._reset()
+        self.announced = False
+
+    def step_done(self) -> None:
+        """The step's backwards are done (the syncing one finalised): drop what it queued for a lone rebuild."""
+        if self.pending:
+            self._reset()
+
+    def met(self, any_pending: bool) -> None:
+        """At a window meeting after a step: if any rank had a reset pending, every rank resets now."""
+        if any_pending and self.model is not None:
+            self._reset()
+        self.pending = False
+
+    def _reset(self) -> None:
+        self.model.reducer._reset_state()  # no public equivalent
+        self.model._has_rebuilt_buckets = False  # DDP's own mirror, kept as its _update_process_group does
 
 
 def free_memory(device: torch.device) -> None:

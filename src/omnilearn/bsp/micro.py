@@ -19,7 +19,11 @@ sums ``N = sum_ij n_ij`` over DDP's group and the hook weights by
 ``c_i / N``: the update is the mean over every term of the global batch.
 The counts stay on the device (no host sync). Use it on every rank at the
 same steps (the all-reduce is a collective); a micro-batch with count 0
-must still have a finite loss.
+must still have a finite loss (it is scaled by 0). A step whose counts are
+0 on every rank (``N = 0``: nothing to average) gets a zero gradient, not a
+division by zero: the hook divides by ``max(N, 1)``, and ``optimizer.step()``
+then moves only by what the optimizer adds itself (momentum, weight decay);
+the step's logged loss is NaN (a mean over no term).
 
 A worker whose share is above its memory cap (:mod:`omnilearn.bsp.memory`)
 runs the step as more micro-batches than ``k``: :meth:`MicroSteps.split`
@@ -119,8 +123,9 @@ class MicroSteps:
             self.counts, self.base = [], len(self.sizes) * torch.clamp(n, min=1.0)
         self.counts.append(n)
         if last:
-            total = self.sum_counts(torch.stack(self.counts).sum().reshape(1))
-            self.hook.weight = (self.base / total.reshape(())).to(torch.float32)  # a 0-dim tensor: no host sync
+            total = self.sum_counts(torch.stack(self.counts).sum().reshape(1)).reshape(())
+            # N = 0 (no term in the whole global batch): every scale above was 0, so the step's gradient is zero
+            self.hook.weight = (self.base / torch.clamp(total, min=1.0)).to(torch.float32)  # 0-dim: no host sync
         return (n / self.base).to(loss.dtype)
 
     def _rescale_local_grads(self) -> None:

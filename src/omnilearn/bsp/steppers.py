@@ -8,7 +8,9 @@ attributes: ``cfg``, ``ctx``, ``loop``, ``schedule``, ``ledger``, ``micro``,
   and ``ol.max_batch`` (:mod:`omnilearn.bsp.memory`, docs/memory.md);
 - :class:`IntervalEnds`: the end of a control interval (one all-gather, the
   decision, buffers, telemetry) and the mid-interval checks for a speed shift
-  (:mod:`omnilearn.bsp.interval`).
+  (:mod:`omnilearn.bsp.interval`); both carry this rank's pending reducer
+  reset and, if any rank has one, make every rank reset DDP's reducer after
+  the same step (:class:`~omnilearn.bsp.memory.ReducerResets`).
 
 Run: ``python -m pytest -q tests/unit/test_memory.py tests/dist/test_oom.py tests/dist/test_api.py``
 """
@@ -49,6 +51,12 @@ class MemorySteps:
         self.micro.split(memory.split_sizes(planned, cap))
         return out
 
+    @property
+    def resets(self) -> memory.ReducerResets:
+        """DDP's reducer after out-of-memory redos (:class:`~omnilearn.bsp.memory.ReducerResets`), following the model."""
+        self.reducer_resets.watch(self.model)
+        return self.reducer_resets
+
     def run_step(self, fn, batch) -> None:
         """Forward and backward of the open step within this rank's memory cap (see the module docstring).
 
@@ -62,12 +70,15 @@ class MemorySteps:
             raise RuntimeError("run_step() needs the wrapped model and a batch the loader handed out")
         params = list(self.model.parameters())
         had_grad = [p.grad is not None for p in params]
+        resets = self.resets
         while True:
+            resets.begin()
             failure = memory.attempt(self.micro, fn, self._split(batch))
             if failure is None:
+                resets.step_done()
                 return
             memory.clear_grads(params, had_grad)
-            memory.reset_reducer(self.model, failure)
+            resets.after(failure)
             memory.free_memory(self.device)
             said = self.memory.after(failure, f"rank {self.rank}, step {self.ledger.open}")  # or raises
             print(f"omnilearn: {said}", file=sys.stderr, flush=True)
@@ -78,16 +89,18 @@ class IntervalEnds:
 
     def _end_interval(self, step: int) -> None:
         rows = self.ledger.take_rows()
-        decision, stop = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows, stop_requested(),
-                                    cap=self.memory.reported())
+        decision, stop, reset = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows,
+                                           stop_requested(), cap=self.memory.reported(), reset=self.resets.pending)
+        self.resets.met(reset)
         self.should_stop = self.should_stop or stop
         self._close_window(step, decision, rows)
 
     def _check(self, step: int) -> None:
         """A look at the steps since the last check: the loop decides now if some worker's speed clearly shifted."""
         rows = self.ledger.rows()[-self.check_every:]
-        decision = check_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows,
-                                cap=self.memory.reported())
+        decision, reset = check_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows,
+                                       cap=self.memory.reported(), reset=self.resets.pending)
+        self.resets.met(reset)
         if decision is not None:  # recorded: the window ends here
             self._close_window(step, decision, self.ledger.take_rows())
 

@@ -52,7 +52,8 @@ import tensorflow as tf
 from omnilearn.balance.loop import WINDOW_FIELDS
 from omnilearn.config import AUTO, BalanceConfig, ConfigError, api_wording
 from omnilearn.data.schedule import BatchSchedule, GlobalPlan
-from omnilearn.decisions import HEADER, check, check_every, feed, make_loop, stop_asked, summarise, table_row
+from omnilearn.decisions import (CHECK, HEADER, INTERVAL, check, check_every, feed, make_loop, stop_asked, summarise,
+                                  table_row)
 from omnilearn.emulation.delay import DelayEmulator
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.recorder import ROW_FIELDS, Telemetry
@@ -62,8 +63,6 @@ from omnilearn.tf.cluster import Cluster
 from omnilearn.tf.steps import Gather, TrainStep
 from omnilearn.tf.timing import StepClock
 from omnilearn.trainclock import TrainClock
-
-INTERVAL, CHECK = 1, 3  # the kinds of window end (the PyTorch runtime's numbers)
 
 
 def check_supported(cfg: BalanceConfig) -> None:
@@ -202,7 +201,7 @@ class TFSession:
         mine, step_s = summarise(self.loop, self.rank, window)
         stop = kind == INTERVAL and stop_requested()
         flat = [v for row in self.rows for v in row]
-        row = table_row(kind, self.steps_done, self.schedule.last_read, mine, stop, None, step_s)
+        row = table_row(kind, self.steps_done, self.schedule.last_read, mine, stop, None, step_s, reset=False, plan=0)
         table = self.gather([*row, len(self.rows), *flat])
         where = {(int(r[0]), int(r[1])) for r in table}
         if len(where) > 1:
