@@ -1,4 +1,4 @@
-"""Shared test fixtures: a private data cache per session, no leftover process groups.
+"""Shared test fixtures: a private data cache per session, no leftover process groups or stop handlers.
 
 Run everything with ``python -m pytest -q`` from the repository root.
 """
@@ -24,3 +24,13 @@ def _no_leftover_group():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_stop_handlers():
+    """``omnilearn.setup()`` in this process installs SIGTERM/SIGINT handlers: put pytest's back after each test."""
+    yield
+    from omnilearn import stopping
+
+    stopping.restore_handlers()
+    stopping.clear()

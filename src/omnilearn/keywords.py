@@ -3,9 +3,11 @@
 The world size is known only after joining (a process group, a
 ``tf.distribute`` cluster), so the batch may be given per worker
 (``local_batch``) as well as in total (``global_batch``): :func:`check_keywords`
-before joining, :func:`for_world` after.
+before joining, :func:`for_world` after. ``total_steps``, ``local_batch`` and
+``handle_signals`` are keywords of ``setup()`` itself (:data:`SETUP_ONLY`), not
+config fields.
 
-Run: ``python -m pytest -q tests/unit/test_api_errors.py``
+Run: ``python -m pytest -q tests/unit/test_api_errors.py tests/faults/test_api_stops.py``
 """
 
 from __future__ import annotations
@@ -17,15 +19,25 @@ from omnilearn.config import BalanceConfig, ConfigError
 from omnilearn.emulation.speeds import speed_count
 
 DEFAULT_LOCAL_BATCH = 32  # samples per worker per step when neither global_batch nor local_batch is given
-KEYWORDS = frozenset(f.name for f in dataclasses.fields(BalanceConfig)) | {"total_steps", "local_batch"}
+SETUP_ONLY = frozenset({"total_steps", "local_batch", "handle_signals"})  # setup()'s own keywords, not config fields
+KEYWORDS = frozenset(f.name for f in dataclasses.fields(BalanceConfig)) | SETUP_ONLY
 
 
-def check_keywords(who: str, settings: dict[str, Any], local_batch: int | None) -> None:
-    """Unknown keywords and a batch given twice or badly, before anything is joined. ``who``: ``omnilearn.setup()``."""
+def check_keywords(who: str, settings: dict[str, Any], local_batch: int | None, handle_signals: bool = True) -> None:
+    """Unknown keywords and a batch given twice or badly, before anything is joined. ``who``: ``omnilearn.setup()``.
+
+    ``settings`` are the config fields; a setup-only keyword among them is one this ``who`` does not take.
+    """
     unknown = sorted(set(settings) - KEYWORDS)
     if unknown:
         raise ConfigError(f"{who} got an unknown keyword {unknown[0]}={settings[unknown[0]]!r}; "
                           f"valid ones: {', '.join(sorted(KEYWORDS))}")
+    untaken = sorted(set(settings) & SETUP_ONLY)
+    if untaken:
+        raise ConfigError(f"{who} does not take {untaken[0]}={settings[untaken[0]]!r}; drop it")
+    if type(handle_signals) is not bool:
+        raise ConfigError(f"handle_signals={handle_signals!r} must be True or False (False: SIGTERM/SIGINT keep "
+                          "their own handlers and never set should_stop)")
     if local_batch is not None and "global_batch" in settings:
         raise ConfigError(f"global_batch={settings['global_batch']} and local_batch={local_batch} both given; "
                           "give one (global_batch = local_batch x workers)")
