@@ -34,6 +34,7 @@ from pathlib import Path
 from omnilearn.config import ConfigError
 from omnilearn.distributed import group
 from omnilearn.emulation import throttle
+from omnilearn.emulation.speeds import SpeedError, load_schedule, paper_schedule
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.datasets import core as data
 from omnilearn.experiments.datasets import images, text
@@ -50,7 +51,21 @@ def check(cfg: TrainConfig) -> None:
     if writes_run_dir(cfg):
         check_out_dir(cfg)
     check_emulator(cfg)
+    check_speed_schedule(cfg)
     check_data(cfg)
+
+
+def check_speed_schedule(cfg: TrainConfig) -> None:
+    """A ``--speed-schedule`` reads and fits the workers (before the data and model checks print their lines)."""
+    if cfg.speed_schedule is None:
+        return
+    try:  # the run's length is not known yet: any will do for these checks (epochs read as steps)
+        if cfg.speed_schedule == "paper":
+            paper_schedule(1000, cfg.workers, cfg.levels)
+        else:
+            load_schedule(cfg.speed_schedule, cfg.workers, 1, cfg.levels)
+    except SpeedError as e:
+        raise ConfigError(str(e)) from None
 
 
 def writes_run_dir(cfg: TrainConfig) -> bool:
