@@ -1,5 +1,9 @@
 """ASP with a parameter server over gloo: exact scaled SGD, staleness, coverage, hung workers, control, evaluation.
 
+A 3-worker run through the CLI counts every push's staleness and covers the data; its controller is fed
+scripted cycle times (``OMNILEARN_TEST_S_PER_SAMPLE``, :mod:`omnilearn.asp.control`), so it takes the same
+one decision in every run however busy the host is.
+
 A hung worker (alive, silent) is dropped after ``--heartbeat-s`` and the other finishes; with every worker hung
 the run fails in one line naming each (killed workers and a killed server: ``tests/faults/test_asp_faults.py``).
 
@@ -26,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cli_run import train
+from omnilearn.decisions import SCRIPTED_ENV
 from omnilearn.distributed.group import DistContext
 from omnilearn.distributed.ps import HELLO, PUSH, Request
 from omnilearn.experiments.asp_train import build_server, build_worker
@@ -53,11 +58,12 @@ def test_one_push_changes_the_weights_exactly_as_sgd_with_the_scaled_rate(scalin
     assert server.opt.param_groups[0]["lr"] == 0.1  # the base rate is restored for the next push
 
 
-def test_asp_run_accounts_staleness_and_covers_the_data(tmp_path):
+def test_asp_run_accounts_staleness_and_covers_the_data(tmp_path, monkeypatch):
     out = tmp_path / "asp"
-    # Speeds 16,4,1: the slow workers' emulated time is mostly sleep, so a busy host's queueing at the server
-    # cannot hide it from the ControlLoop's noise gate (at 4,2,1 it sometimes did: cycles within ~15%).
-    summary = train(out, "--mode", "asp", "--workers", "3", "--speeds", "16,4,1", "--global-batch", "192",
+    # Scripted cycle times (2 ms + 0.5/1/2 ms per sample) reach the controller, not measured ones: on a busy
+    # host a measured run sometimes made no decision at all (queueing at the server hid the speeds in noise).
+    monkeypatch.setenv(SCRIPTED_ENV, "0.002:0.0005,0.002:0.001,0.002:0.002")
+    summary = train(out, "--mode", "asp", "--workers", "3", "--speeds", "4,2,1", "--global-batch", "192",
                     "--max-steps", "60", "--control-interval", "5", "--no-plots")
     pushes = read_metrics(out, "push")
     assert summary["updates"] == len(pushes) == 60 * 3
@@ -72,7 +78,11 @@ def test_asp_run_accounts_staleness_and_covers_the_data(tmp_path):
     assert 0 <= in_flight <= 3 * 192
     assert summary["repeated_samples"] == 0 and sum(summary["samples_per_epoch"]) == sum(p["batch"] for p in pushes)
     assert summary["dropped"] == [] and summary["steps"] == 60
-    assert summary["rebalances"] >= 1 and summary["test_accuracy"] is not None
+    # One change, the same in every run (the proportional rule on the scripted times at 64 each), then holds.
+    decisions = read_metrics(out, "decision")
+    changes = [(d["old"], d["new"], d["times_s"]) for d in decisions if d["changed"]]
+    assert changes == [([64, 64, 64], [108, 56, 28], pytest.approx([0.034, 0.066, 0.130]))], changes
+    assert summary["rebalances"] == 1 and len(decisions) == 60 // 5 and summary["test_accuracy"] is not None
     assert read_metrics(out, "eval")
 
 

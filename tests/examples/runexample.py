@@ -4,7 +4,10 @@ Each example is a script in ``examples/`` that writes an OmniLearn run
 directory (``--out``). The tests run it as a user would (``torchrun
 --standalone --nproc-per-node 2``, rank 1 emulated slower) and check what
 the run directory says: the fast worker ended with the larger batch, and the
-loss fell.
+loss fell. The controller is fed scripted timings in the ratio of the
+emulated speeds (:func:`scripted_timings`), so it takes the same decisions
+in every run: on a busy host measured compute times can come out within the
+controller's noise margin, and a run then rightly keeps the even split.
 
 Run: ``python -m pytest -q tests/examples``
 """
@@ -19,10 +22,18 @@ from pathlib import Path
 
 import pytest
 
+from omnilearn.decisions import SCRIPTED_ENV
 from omnilearn.experiments.report.records import load_run
+from omnilearn.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
+
+
+def scripted_timings(speeds: str) -> dict[str, str]:
+    """The environment that feeds the controller times in the ratio of ``speeds`` (0.1 ms per sample at the fastest)."""
+    values = [float(v) for v in speeds.split(",")]
+    return {SCRIPTED_ENV: ",".join(f"{1e-4 * max(values) / v:g}" for v in values)}
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300, env: dict | None = None,
@@ -39,8 +50,12 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300, env:
 
 
 def assert_balanced_and_learning(run_dir: Path, slow_rank: int = 1, fast_rank: int = 0) -> dict:
-    """The run moved batch toward the fast worker and its loss fell; returns the summary."""
+    """The run was fed :func:`scripted_timings`, moved batch toward the fast worker and its loss fell; its summary."""
     run = load_run(run_dir)
+    speeds = read_metrics(run_dir, "speeds")[0]["speeds"]
+    first = read_metrics(run_dir, "decision")[0]
+    fed = [float(t) for t in scripted_timings(",".join(map(str, speeds)))[SCRIPTED_ENV].split(",")]
+    assert first["times_s"] == pytest.approx([c * b for c, b in zip(fed, first["old"])]), "not fed scripted timings"
     batches = run.per_rank["batch"]
     first, last = batches[fast_rank][0], batches[fast_rank][-1]
     assert batches[slow_rank][0] == first, f"the run did not start from an even split: {batches[slow_rank][0]}/{first}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from runexample import assert_balanced_and_learning, torchrun
+from runexample import assert_balanced_and_learning, scripted_timings, torchrun
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
@@ -15,6 +15,6 @@ pytestmark = pytest.mark.dist
 
 def test_hf_example_rebalances_and_learns(tmp_path):
     out = tmp_path / "run"
-    done = torchrun("hf_transformers.py", "--speeds", "3,1", "--out", str(out))
+    done = torchrun("hf_transformers.py", "--speeds", "3,1", "--out", str(out), env=scripted_timings("3,1"))
     summary = assert_balanced_and_learning(out)
     assert summary["rebalances"] >= 1 and "final batches" in done.stdout

@@ -1,5 +1,7 @@
 """``examples/keras_tf.py`` (a Keras model on ``omnilearn.tf``): two worker processes with ``TF_CONFIG``, worker 1 at half speed.
 
+The controller is fed scripted timings in that ratio (``runexample.scripted_timings``): the same decisions every run.
+
 Also the Python API's one-line errors, in a process of their own (TensorFlow stays out of the test process).
 
 Run: ``python -m pytest -q tests/examples/test_keras_tf.py``
@@ -14,21 +16,21 @@ import sys
 import pytest
 
 from omnilearn.tf.cluster import free_ports, local_config
-from runexample import EXAMPLES, ROOT, assert_balanced_and_learning
+from runexample import EXAMPLES, ROOT, assert_balanced_and_learning, scripted_timings
 
 pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
 pytestmark = pytest.mark.dist
 
 
-def start(rank: int, ports: list[int], *args: str) -> subprocess.Popen:
-    env = {**os.environ, "TF_CONFIG": local_config(ports, rank), "TF_CPP_MIN_LOG_LEVEL": "2"}
+def start(rank: int, ports: list[int], *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "TF_CONFIG": local_config(ports, rank), "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     return subprocess.Popen([sys.executable, str(EXAMPLES / "keras_tf.py"), *args], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_keras_example_on_two_tf_workers_rebalances_and_learns(tmp_path):
     out, ports = tmp_path / "run", free_ports(2)
-    procs = [start(rank, ports, "--speeds", "2,1", "--out", str(out)) for rank in range(2)]
+    procs = [start(rank, ports, "--speeds", "2,1", "--out", str(out), env=scripted_timings("2,1")) for rank in range(2)]
     outputs = [p.communicate(timeout=300) for p in procs]
     for p, (stdout, stderr) in zip(procs, outputs):
         assert p.returncode == 0, f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-5000:]}"

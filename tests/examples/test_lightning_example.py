@@ -11,7 +11,7 @@ import csv
 
 import pytest
 
-from runexample import assert_balanced_and_learning, torchrun
+from runexample import assert_balanced_and_learning, scripted_timings, torchrun
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.dist
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.dist
 
 def test_lightning_example_rebalances_learns_and_logs_batches(tmp_path):
     out, logs = tmp_path / "run", tmp_path / "logs"
-    done = torchrun("lightning_example.py", "--speeds", "3,1", "--out", str(out), "--csv-dir", str(logs))
+    done = torchrun("lightning_example.py", "--speeds", "3,1", "--out", str(out), "--csv-dir", str(logs),
+                    env=scripted_timings("3,1"))
     assert_balanced_and_learning(out)
     assert "final batches" in done.stdout
     rows = list(csv.DictReader((logs / "example" / "version_0" / "metrics.csv").open()))

@@ -13,18 +13,20 @@ import json
 
 import pytest
 
-from runexample import assert_balanced_and_learning, torchrun
+from runexample import assert_balanced_and_learning, scripted_timings, torchrun
 
 pytestmark = pytest.mark.dist
 
 
 def test_token_trainer_rebalances_learns_and_resumes(tmp_path):
     out = tmp_path / "run"
-    done = torchrun("token_trainer.py", "--speeds", "3,1", "--max-steps", "40", "--amp", "--out", str(out))
+    done = torchrun("token_trainer.py", "--speeds", "3,1", "--max-steps", "40", "--amp", "--out", str(out),
+                    env=scripted_timings("3,1"))
     summary = assert_balanced_and_learning(out)
     assert summary["steps"] == 40 and "final batches" in done.stdout
     assert (out / "checkpoints" / "step-000000040.pt").is_file()
-    done = torchrun("token_trainer.py", "--speeds", "3,1", "--max-steps", "60", "--amp", "--resume", "--out", str(out))
+    done = torchrun("token_trainer.py", "--speeds", "3,1", "--max-steps", "60", "--amp", "--resume", "--out", str(out),
+                    env=scripted_timings("3,1"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_at_step"] == 40 and summary["steps"] == 60, summary
     assert "resumed at step 40 with 2 workers" in done.stdout + done.stderr

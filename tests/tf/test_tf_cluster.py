@@ -53,18 +53,18 @@ def test_a_bad_tf_config_is_one_line_naming_what_is_wrong(text, said):
     assert said in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_step_clock_splits_compute_and_wait_and_counts_the_delay():
+def test_the_step_clock_splits_compute_and_wait_and_counts_the_delay(monkeypatch):
+    now_s = iter([100.0, 100.02, 100.05, 200.0, 200.01])  # scripted wall clock: begin, ready, end; begin, end
+    monkeypatch.setattr(time, "perf_counter", lambda: next(now_s))
     clock = StepClock(single_thread=False)
     clock.begin()
-    time.sleep(0.02)
     clock.add_delay(0.005)
     clock.mark_ready()
-    time.sleep(0.03)
     times = clock.end()
-    assert times.compute_s == pytest.approx(0.02, abs=0.015) and times.wait_s == pytest.approx(0.03, abs=0.015)
-    assert times.step_s == pytest.approx(times.compute_s + times.wait_s) and times.delay_s == 0.005
+    assert times.compute_s == pytest.approx(0.02, abs=1e-9) and times.wait_s == pytest.approx(0.03, abs=1e-9)
+    assert times.step_s == pytest.approx(0.05, abs=1e-9) and times.delay_s == 0.005
     clock.begin()
-    assert clock.end().wait_s == 0.0  # never marked ready: all compute
+    assert clock.end() == (pytest.approx(0.01, abs=1e-9), 0.0, pytest.approx(0.01, abs=1e-9), 0.0)  # never ready
 
 
 def test_a_single_thread_worker_measures_native_compute_in_cpu_time():

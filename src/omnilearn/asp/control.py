@@ -22,7 +22,13 @@ the bounds and the controller). Its windows start afresh: every batch just
 changed. A dropped worker's batch reads 0 and its late pushes are not
 recorded.
 
-Run its tests: ``python -m pytest -q tests/unit/test_aspmath.py -k control tests/dist/test_asp_server.py -k controller``
+Scripted timings (tests only): with ``OMNILEARN_TEST_S_PER_SAMPLE`` set
+(:data:`omnilearn.decisions.SCRIPTED_ENV`, one ``fixed_s:s_per_sample`` per
+worker) each recorded push counts ``fixed_s + s_per_sample x batch`` instead
+of its measured cycle time, as the BSP and TensorFlow runtimes do with their
+compute times, so the decisions do not depend on how busy the host is.
+
+Run its tests: ``python -m pytest -q tests/unit/test_aspmath.py -k control tests/dist/test_asp_server.py``
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Callable, Sequence
 
 from omnilearn.balance.controllers import Decision
 from omnilearn.balance.loop import ControlLoop, window_row
+from omnilearn.decisions import scripted_times
 
 NewLoop = Callable[[Sequence[int], Sequence[int]], ControlLoop]  # (live workers, their batches to keep) -> loop
 
@@ -44,6 +51,7 @@ class PushControl:
         self.live: list[int] = list(range(loop.workers))
         self.window_s: list[list[float]] = [[] for _ in self.live]  # per live worker, in ``live`` order
         self.pushes = 0  # in this window
+        self.scripted = scripted_times(self.workers)  # tests: (fixed_s, s_per_sample) per worker, or None
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -65,6 +73,9 @@ class PushControl:
         if worker not in self.live:
             return False
         at = self.live.index(worker)
+        if self.scripted is not None:
+            fixed_s, s_per_sample = self.scripted[worker]
+            cycle_s = fixed_s + s_per_sample * batch
         if batch == self.loop.batches[at]:
             self.window_s[at].append(cycle_s)
         self.pushes += 1

@@ -125,7 +125,7 @@ class MicroSteps:
         if last:
             total = self.sum_counts(torch.stack(self.counts).sum().reshape(1)).reshape(())
             # N = 0 (no term in the whole global batch): every scale above was 0, so the step's gradient is zero
-            self.hook.weight = (self.base / torch.clamp(total, min=1.0)).to(torch.float32)  # 0-dim: no host sync
+            self.hook.weight = self.base / torch.clamp(total, min=1.0)  # 0-dim float64: no host sync, exact in float64
         return (n / self.base).to(loss.dtype)
 
     def _rescale_local_grads(self) -> None:

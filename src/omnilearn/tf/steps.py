@@ -52,9 +52,9 @@ class TrainStep:
     def __call__(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         if self.function is None:  # the signature from the first batch, any batch size
             spec = [tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
-                    tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)), tf.TensorSpec((), tf.float32)]
+                    tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)), tf.TensorSpec((), tf.float64)]
             self.function = tf.function(self._run, input_signature=spec)
-        out = self.function(x, y, tf.constant(scale, tf.float32))
+        out = self.function(x, y, tf.constant(scale, tf.float64))  # b_i/B, exact; cast to each gradient's dtype
         return float(self.strategy.experimental_local_results(out)[0])
 
     @property
