@@ -15,6 +15,7 @@ from statistics import fmean
 import numpy as np
 import pytest
 
+from omnilearn.decisions import SCRIPTED_ENV
 from omnilearn.observe.metrics import read_metrics
 
 from cli_run import load_weights, train
@@ -34,7 +35,8 @@ def test_vision_model_trains_on_synthetic_images(tmp_path, model):
     assert load_weights(out)  # saved after the buffers were averaged
 
 
-def test_gpt2_tiny_on_text_loss_falls(tmp_path):
+def test_gpt2_tiny_on_text_loss_falls(tmp_path, monkeypatch):
+    monkeypatch.setenv(SCRIPTED_ENV, "0.001,0.002")  # the controller sees rank 1 twice as slow, however busy the host
     out = tmp_path / "gpt"
     summary = train(out, "--model", "gpt2-tiny", "--workers", "2", "--speeds", "2,1", "--global-batch", "32",
                     "--seq-len", "32", "--max-steps", "60", "--control-interval", "10", "--no-plots")
