@@ -16,6 +16,8 @@ data has been dealt the model is evaluated in a helper thread while the
 server keeps answering: it holds every request (pushes are kept, applied
 when the evaluation ends; workers poll), so no worker waits on the server
 for long, the liveness clocks see the polls, and training time excludes the pause.
+The helper thread is joined when ``serve()`` returns or raises (after an
+error too: one running evaluation is waited for, queued ones are dropped).
 
 Failures (:mod:`omnilearn.asp.membership`): a worker whose connection fails
 (a gloo error) or that sends nothing for ``heartbeat_s`` (``timeout_s``
@@ -140,8 +142,8 @@ class ParameterServer:
                 if self.fault is not None:
                     self.fault.reached(self.version)
         finally:
-            if self.pool is not None:  # on an error, raise it now rather than after a running evaluation
-                self.pool.shutdown(wait=False, cancel_futures=True)
+            if self.pool is not None:  # a running evaluation ends first: no thread of ours outlives serve()
+                self.pool.shutdown(wait=True, cancel_futures=True)
         if self.snapshots.stop_reason:
             raise stopping.Stopped(self.snapshots.stop_reason)
         wall_s = self.clock.wall_s(time.perf_counter())

@@ -55,7 +55,7 @@ Run it with ``torchrun --nproc-per-node N script.py`` or as one process.
 afterwards (dropout and augmentation differ per rank; :mod:`omnilearn.bsp.rng`).
 A step's clock starts when its batch is handed out, or when the previous
 step is reported if the loop fetched ahead; ``step()`` ends it. Every
-``control_interval`` steps one all-gather of ``n x 10`` numbers feeds the same
+``control_interval`` steps one all-gather of ``n x 12`` numbers feeds the same
 :class:`~omnilearn.balance.loop.ControlLoop` on every rank, and the
 interval's per-step rows go to rank 0 only (:mod:`omnilearn.bsp.interval`).
 ``state_dict()`` / ``load_state_dict()`` hold everything but the user's
@@ -80,7 +80,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, IterableDataset
 
 from omnilearn.bsp import checkpointing
-from omnilearn.bsp.interval import SYNC_BUFFERS, check_same_settings, meet
+from omnilearn.bsp.interval import SYNC_BUFFERS, agree_on_data, check_same_settings, meet
 from omnilearn.bsp.steppers import IntervalEnds, MemorySteps
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp import memory
@@ -129,6 +129,7 @@ class Session(MemorySteps, IntervalEnds):
         self.memory = memory.MemoryCap(memory.rank_cap(cfg.max_batch, ctx.rank), cfg.accumulation_steps)
         auto = cfg.max_batch == AUTO and ctx.device.type == "cuda"
         self.probe = memory.CudaProbe(ctx.device) if auto else None  # the first step measures the memory
+        self.reducer_resets = memory.ReducerResets()  # DDP's reducer after out-of-memory redos
         self.caps_seen: list[int] | None = None  # rank 0: the caps the loop held at the last interval end
         self.check_every = check_every(cfg.control_interval)  # steps between looks for a speed shift (0: none)
         self.steps_done = self.next_step = 0
@@ -247,10 +248,15 @@ class Session(MemorySteps, IntervalEnds):
         return self.batches[self.rank]
 
     def _start_data(self, plan_type: type[GlobalPlan], size: int, prefetch_batches: int, what: str = "dataset") -> None:
-        """Plan the run over ``size`` samples (one training data source per session); rank 0 starts the record."""
+        """Plan the run over ``size`` samples (one training data source per session); rank 0 starts the record.
+
+        Every rank must read a source of the same size, and plans with the deepest prefetch of any rank (the
+        same lag everywhere, so the same decisions): :func:`~omnilearn.bsp.interval.agree_on_data`.
+        """
         if self.loader is not None:
             raise RuntimeError("data_loader() or random_indices() was already used: one training data source "
                                "per session")
+        prefetch_batches = agree_on_data(self.ctx, size, prefetch_batches, what)
         try:
             self.run = plan_run(self.cfg, size if plan_type is GlobalPlan else max(size, self.cfg.global_batch),
                                 self.total_steps, prefetch_batches, what, warn=self.is_main)
@@ -307,8 +313,9 @@ class Session(MemorySteps, IntervalEnds):
         elif self.check_every and size % self.check_every == 0:
             self._check(step)
         if self.probe is not None:
-            self.memory.learn(self.probe.end(max(self.micro.sizes)))
-            self.probe = None
+            self.memory.probe(self.probe.end(max(self.micro.sizes)))
+            if self.probe.done:
+                self.probe = None
         self.clock.step_ended()
         self.ledger.start_next()
 
@@ -391,7 +398,11 @@ class Session(MemorySteps, IntervalEnds):
 
         Rank 0 writes ``step-<next step>.pt`` atomically with a checksum and
         keeps the newest ``keep``; it returns the path (None elsewhere).
-        ``extra``: plain values of your own (epoch counters, best accuracy...).
+        ``extra``: plain values or tensors of your own (epoch counters, best
+        accuracy...); a value ``torch.load(weights_only=True)`` would not read
+        back (a numpy scalar, a ``Path``) raises
+        :class:`~omnilearn.checkpoint.CheckpointError` naming the field, before
+        anything is written.
         """
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
         with self.paused():
@@ -399,11 +410,16 @@ class Session(MemorySteps, IntervalEnds):
 
     def load_checkpoint(self, directory: str | Path, *, model: nn.Module | None = None, optimizer=None,
                         scheduler=None) -> bool:
-        """Resume from the newest intact checkpoint in ``directory``; False (nothing changed) when there is none.
+        """Resume from the newest intact checkpoint in ``directory``; False (nothing changed) when it holds none.
 
         Call it on every rank after ``wrap_model()`` and ``data_loader()`` and
-        before training. A damaged newest checkpoint is skipped for the one
-        before (a warning). What was saved as ``extra`` is in :attr:`checkpoint_extra`.
+        before training. A damaged newest checkpoint (checksum, cut short,
+        missing) is set aside for the one before (a warning). When the
+        directory holds checkpoints and none is usable (all damaged, or the
+        newest passed its checksum and does not load) every rank raises
+        :class:`~omnilearn.checkpoint.CheckpointError` naming the file: a resume
+        never quietly becomes a fresh start. What was saved as ``extra`` is in
+        :attr:`checkpoint_extra`.
         """
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
         extra = checkpointing.load(self, directory, objects)
@@ -418,9 +434,13 @@ class Session(MemorySteps, IntervalEnds):
         """Leave the process group (whoever created it), after every rank got here.
 
         The barrier keeps a fast rank from closing its connections while a
-        peer's gloo threads still use them (that aborts the peer at exit).
+        peer still syncs through them. :func:`~omnilearn.distributed.group.destroy`
+        (the launcher's teardown too) first makes the model let go of the group
+        (:func:`~omnilearn.bsp.wrap.release`: after it the model computes as its
+        module and syncs nothing), so the group's gloo threads end here, not
+        during interpreter finalisation, where one aborts the process.
         """
         self.release()
         if self.ctx.grouped:
             group.barrier()
-        group.destroy(wait_s=3.0)  # every rank passed the barrier: none exits under a peer still tearing down
+        group.destroy(wait_s=3.0)  # every rank passed the barrier: wait until every rank has torn down

@@ -6,24 +6,36 @@ every forward: the session averages them by batch share) with
 :func:`~omnilearn.distributed.hooks.weighted_allreduce_hook` on DDP's own
 process group.
 
+The model holds the process group (DDP's C++ reducer and logger, its
+``process_group`` and the hook state): while it does, destroying the group
+leaves its gloo threads and sockets running on into interpreter
+finalisation, where a gloo thread that must take the GIL aborts the process
+(docs/failures.md, "The abort at exit"). :func:`release` makes a
+wrapped model let go; :func:`omnilearn.distributed.group.destroy` (the one
+teardown: ``Session.close()``, the launcher, the exit) calls it for every
+wrapped model first. A released model still computes (its forward is the
+module's) but syncs nothing.
+
 ``model.no_sync()`` is refused: it accumulates several steps' gradients and
 lets one step's weight ``b_i / B`` scale them all, which is wrong as soon as
 the batches change inside the window. The session's gradient accumulation
 (``accumulation_steps`` and ``ol.backward``) does it exactly; it sets DDP's
 ``require_backward_grad_sync`` itself, before each micro-batch's forward.
 
-Run: ``python -m pytest -q tests/dist/test_accumulation.py``
+Run: ``python -m pytest -q tests/dist/test_accumulation.py tests/dist/test_teardown.py``
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from omnilearn.distributed import group
 from omnilearn.distributed.hooks import HookState, weighted_allreduce_hook
 
 # Buffers are averaged by the session, not copied from rank 0 every forward (the flag's name changed in torch 2.13).
@@ -31,8 +43,17 @@ NO_BUFFER_BROADCAST = ({"forward_sync_buffers": False} if "forward_sync_buffers"
                        else {"broadcast_buffers": False})
 
 
+_HOLDS_GROUP = ("reducer", "logger", "process_group")  # what a DDP model holds its process group by
+_WRAPPED: "weakref.WeakSet[BalancedDDP]" = weakref.WeakSet()  # wrapped models that still hold their group
+
+
 class BalancedDDP(DDP):
-    """DDP whose ``no_sync()`` explains what to use instead (see the module docstring)."""
+    """DDP whose ``no_sync()`` explains what to use instead, and whose forward after :func:`release` is the module's."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if "reducer" not in self.__dict__:  # released: no group left to sync with
+            return self.module(*inputs, **kwargs)
+        return super().forward(*inputs, **kwargs)
 
     def no_sync(self):
         raise RuntimeError(
@@ -50,4 +71,31 @@ def wrap(model: nn.Module, device: torch.device, grouped: bool, hook: HookState,
     model = BalancedDDP(model, device_ids=ids, **{**NO_BUFFER_BROADCAST, **ddp_kwargs})
     hook.process_group = model.process_group
     model.register_comm_hook(hook, weighted_allreduce_hook)
+    _WRAPPED.add(model)
+    group.before_destroy(release_wrapped)
     return model
+
+
+def release(model: nn.Module | None) -> None:
+    """Make a :class:`BalancedDDP` let go of its process group (idempotent; anything else is left alone).
+
+    Drops DDP's reducer and logger (C++: the reducer holds the group), its
+    ``process_group`` and its comm hook's state's group, so that destroying the
+    group ends its threads there and then. Call it once no rank syncs any more.
+    """
+    if not isinstance(model, BalancedDDP):
+        return
+    hooks = model.__dict__.get("_comm_hooks", [])
+    for _, state in hooks:
+        if isinstance(state, HookState):
+            state.process_group = None
+    hooks.clear()
+    for name in _HOLDS_GROUP:
+        model.__dict__.pop(name, None)
+    _WRAPPED.discard(model)
+
+
+def release_wrapped() -> None:
+    """:func:`release` every wrapped model still alive (before the group is destroyed)."""
+    for model in list(_WRAPPED):
+        release(model)

@@ -14,14 +14,28 @@ with a plain gloo script). Every attempt now keys its group under
 ``omnilearn/restart-<TORCHELASTIC_RESTART_COUNT>/`` (a ``PrefixStore``), so
 no attempt reads another's keys. The c10d rendezvous (``--rdzv-backend
 c10d``, ``--standalone``) was never affected; both are tested.
+
+Teardown has one way out, :func:`destroy` (``Session.close()``, the
+launcher, and at exit for a group still up): holders of the group let go
+first (:func:`before_destroy`: DDP models), then the group is destroyed and
+unpinned, so its gloo threads end and its sockets close there and then,
+never during interpreter finalisation, where a gloo thread that must take
+the GIL aborts the process ("terminate called without an active
+exception"; docs/failures.md, "The abort at exit"; docs/upstream.md).
+Tests: ``python -m pytest -q tests/dist/test_teardown.py``.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -189,29 +203,68 @@ def join(device_preference: str, timeout_s: float) -> DistContext:
     return single_process(device_preference)
 
 
+@contextmanager
+def cpu_group(ctx: DistContext) -> Iterator[dist.ProcessGroup | None]:
+    """A group that carries CPU tensors, for collectives on host memory; every rank enters it together.
+
+    The default group (None) when it is gloo; else a new gloo group over all ranks, destroyed on exit
+    (one per use: a load happens once per run, and a cached group would outlive the default one).
+    """
+    if not ctx.grouped or dist.get_backend() == "gloo":
+        yield None
+        return
+    side = dist.new_group(backend="gloo")
+    try:
+        yield side
+    finally:
+        dist.destroy_process_group(side)
+
+
 def barrier() -> None:
     dist.barrier()
 
 
 _CLOSES = [0]  # sessions closed in this process: each close waits on its own store key
+_RELEASES: list[Callable[[], None]] = []  # run first by destroy(): holders of the group let go of it
+
+
+def before_destroy(release: Callable[[], None]) -> None:
+    """Have :func:`destroy` call ``release()`` before it destroys the group (once per callable).
+
+    For holders of the group that outlive it otherwise: ``bsp.wrap`` registers the release of its DDP models.
+    """
+    if release not in _RELEASES:
+        _RELEASES.append(release)
 
 
 def destroy(wait_s: float = 0.0) -> None:
-    """Destroy the default group; then wait up to ``wait_s`` (on its store) until every rank has destroyed its own.
+    """The one teardown: holders let go, the default group is destroyed and unpinned, then wait.
 
-    Wait only when every rank is known to be alive and closing too (after a barrier, or a clean end): a dead
-    peer never arrives, and the wait would cost its whole ``wait_s``.
-    A rank that exits while a peer is still tearing down its gloo pairs closes
-    their sockets under the peer, which then aborts at exit ("terminate called
-    without an active exception", 1 torchrun run in 6 on 2 cores, 2026-11-24).
+    Nothing of ours holds the group after it, so its gloo threads end here
+    (a collective still running is waited for, GIL released) and never
+    during interpreter finalisation. Safe to call twice, and after
+    ``dist.destroy_process_group()``.
+
+    ``wait_s``: then wait up to this long (on the group's store) until every
+    rank has destroyed its own. Wait only when every rank is known to be
+    alive and closing too (after a barrier, or a clean end): a dead peer
+    never arrives, and the wait would cost its whole ``wait_s``.
     """
+    for release in _RELEASES:
+        release()
+    gc.collect()  # models nobody refers to any more but a cycle of their own (a plain DDP's) let go too
     if not (dist.is_available() and dist.is_initialized()):
+        _unpin()
         return
     world = dist.get_world_size()
     store = dist.distributed_c10d._get_default_store() if world > 1 and wait_s > 0 else None
     dist.destroy_process_group()
-    if store is None:
-        return
+    _unpin()  # the last reference: the group's threads are joined here, with the GIL released
+    if store is not None:
+        _wait_for_peers(store, world, wait_s)
+
+
+def _wait_for_peers(store: dist.Store, world: int, wait_s: float) -> None:
     _CLOSES[0] += 1
     key = f"omnilearn/closed/{_CLOSES[0]}"
     deadline = time.monotonic() + wait_s
@@ -222,3 +275,32 @@ def destroy(wait_s: float = 0.0) -> None:
             count = store.add(key, 0)
     except (RuntimeError, ValueError):  # the store's host is gone: nobody is left to wait for
         pass
+
+
+def _unpin() -> None:
+    """Drop destroyed groups from ``torch.distributed.nn.functional``'s default arguments.
+
+    Its functions default to ``group=group.WORLD``, evaluated when the module
+    is imported -- DDP imports it, while the group exists -- so the group
+    would live as long as the process (torch 2.13). None is torch's own word
+    for the default group.
+    """
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(functional).values() if functional is not None else ():
+        defaults = getattr(fn, "__defaults__", None) or ()
+        if any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
+def _destroy_at_exit() -> None:
+    """A group still up at exit is torn down before the interpreter finalises (no wait: a peer may be gone).
+
+    An in-flight collective (one that timed out) then ends while its thread can still take the GIL.
+    """
+    try:
+        destroy()
+    except RuntimeError as e:  # nothing left to do about it at exit; say so
+        print(f"omnilearn: destroying the process group at exit failed: {e}", file=sys.stderr)
+
+
+atexit.register(_destroy_at_exit)

@@ -9,7 +9,9 @@ stopped on request exits 128 + the signal. BSP ranks meet at a barrier after
 each job (rank 0 may still be writing the run directory); ASP ranks do not
 (a dead worker would fail it): between two jobs of one launch the workers
 wait for the server to end the job, on a store key, and nobody waits for a
-worker.
+worker. Every rank leaves through :func:`omnilearn.distributed.group.destroy`,
+the teardown ``Session.close()`` uses too (its models let go of the group
+first, so no gloo thread outlives it into interpreter finalisation).
 
 Every rank runs the heartbeat watchdog (:mod:`omnilearn.distributed.watchdog`):
 in BSP each watches the next two ranks, in ASP each worker watches the
@@ -144,7 +146,7 @@ def _run_rank(join: Callable[[], group.DistContext], rank: int, jobs: Sequence[J
     finally:
         if watchdog is not None:
             watchdog.stop()
-        group.destroy(wait_s=3.0 if clean else 0.0)  # after a failure a peer may be gone: do not wait for it
+        group.destroy(wait_s=3.0 if clean else 0.0)  # the one teardown; after a failure a peer may be gone: no wait
 
 
 def _between_asp_jobs(k: int, job: Job, ctx: group.DistContext, gate: dist.Store | None) -> None:
@@ -229,7 +231,7 @@ def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
     rules = Rules(modes.pop(), Path(log_dir), time.time())
     workers = Workers()
     with SignalTrap() as trap:
-        store = tempfile.mkdtemp(prefix="omnilearn-store-")
+        store = private_store_dir()
         os.environ["OMNILEARN_RUN_ID"] = run = f"{os.getpid()}-{int(time.time())}"  # inherited by the workers
         if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local workers talk over loopback only (the trust model)
@@ -248,6 +250,29 @@ def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
             if any(job.cfg.emulator == "cgroup" for job in jobs):
                 _cleanup_cgroups(run)
     outcome(workers, interrupted, failed, rules)
+
+
+STORE_PREFIX = "omnilearn-store-"
+
+
+def private_store_dir() -> str:
+    """A new temp directory for the rendezvous files, named after this launcher's pid; first remove those of
+    launchers that are gone (a SIGKILLed launcher cannot clean up: its workers die with it, its directory stays)."""
+    for old in Path(tempfile.gettempdir()).glob(f"{STORE_PREFIX}*-*"):
+        pid = old.name[len(STORE_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _cleanup_cgroups(run: str) -> None:

@@ -17,7 +17,12 @@ The strategy is Lightning's DDP strategy with OmniLearn's session inside
   every control interval the controller may move batches; each worker's
   batch is logged to Lightning's loggers as ``omnilearn/batch_rank<i>``;
 - ``finish()`` at the end of fit writes the summary (rank 0) and, with
-  ``out=``, the run directory.
+  ``out=``, the run directory;
+- teardown: Lightning keeps its process group after fit (``trainer.test()``
+  may follow); OmniLearn destroys it when the process exits, before the
+  interpreter finalises, after the model let go of it
+  (:func:`omnilearn.distributed.group.destroy`), so no gloo thread is left
+  to abort the exit.
 
 Settings are :func:`omnilearn.setup` keywords (``global_batch`` or
 ``local_batch``, ``speeds``, ``controller``, ``control_interval``, ``out``...);

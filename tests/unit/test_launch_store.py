@@ -1,0 +1,27 @@
+"""The launcher's rendezvous directory: a SIGKILLed launcher's is removed by the next launch on the machine.
+
+Found by an operator trial (kill -9 the launcher: its workers die with it, but ``omnilearn-store-*`` stayed in
+TMPDIR). Run: ``python -m pytest -q tests/unit/test_launch_store.py``
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+from omnilearn.experiments import launch
+
+
+def test_a_new_launch_removes_the_store_of_a_launcher_that_is_gone(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{launch.STORE_PREFIX}{int(gone.stdout)}-abc123"  # that process has exited
+    alive = tmp_path / f"{launch.STORE_PREFIX}{os.getppid()}-def456"  # a launcher still running: kept
+    other = tmp_path / f"{launch.STORE_PREFIX}xyz"  # not ours to judge (no pid in the name): kept
+    for d in (dead, alive, other):
+        (d / "store").mkdir(parents=True)
+    made = launch.private_store_dir()
+    assert not dead.exists() and alive.exists() and other.exists()
+    assert os.path.basename(made).startswith(f"{launch.STORE_PREFIX}{os.getpid()}-") and os.path.isdir(made)
