@@ -129,7 +129,7 @@ def test_the_asp_server_joins_its_evaluation_thread_when_serve_fails():
     def fail():
         raise RuntimeError("a gloo error")
 
-    server.members.start = lambda now_s: None  # no workers: nothing to connect to
+    server.members.start = lambda: None  # no workers: nothing to connect to
     server.members.receive = fail
     with pytest.raises(RuntimeError, match="a gloo error"):
         server.serve()

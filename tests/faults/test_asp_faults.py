@@ -1,11 +1,14 @@
 """ASP survives failures, with real processes: a SIGKILLed worker is dropped, a killed server resumes.
 
-- A worker SIGKILLs itself mid-run (``OMNILEARN_FAULT_KILL_AT``, :mod:`omnilearn.asp.faults`):
-  ``before`` sending its push (the server notices the silence after ``--heartbeat-s``) or
-  ``after`` it (the server's reply fails: a gloo error). The server drops it, naming it
-  (stderr and a ``drop`` event), deals its samples again, and the run completes with the
-  others; every sample is applied exactly once per epoch (the server's coverage ledger,
-  cross-checked against the push events).
+- A worker SIGKILLs itself mid-run (``OMNILEARN_FAULT_KILL_AT``, :mod:`omnilearn.asp.faults`),
+  ``before`` sending its push or ``after`` it: the server sees its connection fail at once
+  (not after ``--heartbeat-s``). It drops it, naming it (stderr and a ``drop`` event), deals
+  its samples again, and the run completes with the others; every sample is applied exactly
+  once per epoch (the server's coverage ledger, cross-checked against the push events).
+- A worker SIGSTOPs itself (``...:STOP``) before its push, between announcing its request and
+  sending it (``sending``), or after it (``after``, the reply never taken): only that worker
+  is dropped after ``--heartbeat-s``, the others finish (trial 6.3: a server waiting on such
+  an exchange dropped every worker, or hung for ``--timeout-s``).
 - The server SIGKILLs itself mid-run; all processes are relaunched with ``resume=True``
   and the run continues at the checkpoint's version (a ``resume`` event), completes, and
   still applies every sample once per epoch across the restart.
@@ -20,7 +23,7 @@ attempt, naming ``the parameter server (rank 0)``, and ``--max-restarts 1`` resu
 hung (SIGSTOPped) server is named by its workers' watchdogs and every process ends.
 In-process: who watches whom in ASP, and the launcher's blame naming the server.
 
-Run: ``python -m pytest -q tests/faults/test_asp_faults.py`` (about a minute on 2 cores).
+Run: ``python -m pytest -q tests/faults/test_asp_faults.py`` (about three minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from omnilearn import stopping
-from omnilearn.asp.faults import ENV
+from omnilearn.asp.faults import ENV, KillPoint, kill_point
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.distributed import group
 from omnilearn.distributed import watchdog as wd
@@ -70,11 +73,12 @@ def _rank(rank: int, world: int, store: str, out: str, flags: dict) -> None:
         raise SystemExit(1) from None
 
 
-def launch(out: Path, timeout_s: float = 150.0, signal_after_pushes: int | None = None,
-           **flags) -> list[int | None]:
+def launch(out: Path, deadline_s: float = 150.0, signal_after_pushes: int | None = None,
+           frozen: tuple[int, ...] = (), **flags) -> list[int | None]:
     """Run every rank of one ASP run to its end; their exit codes (negative: killed by that signal).
 
     ``signal_after_pushes``: SIGTERM every rank once ``metrics.jsonl`` holds that many pushes.
+    ``frozen``: ranks that stop themselves (SIGSTOP): woken (SIGCONT) once the others ended, then given 30 s.
     """
     cfg = TrainConfig(**{**RUN, **flags})
     world = cfg.workers + 1
@@ -83,7 +87,7 @@ def launch(out: Path, timeout_s: float = 150.0, signal_after_pushes: int | None 
     store = out.parent / f"store-{out.name}-{time.monotonic_ns()}"
     ctx = mp.start_processes(_rank, args=(world, str(store), str(out), {**RUN, **flags}), nprocs=world, join=False,
                              start_method="spawn")
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + deadline_s
     while signal_after_pushes is not None and time.monotonic() < deadline:
         if (out / "metrics.jsonl").exists() and \
                 (out / "metrics.jsonl").read_text().count('"event":"push"') >= signal_after_pushes:
@@ -91,8 +95,12 @@ def launch(out: Path, timeout_s: float = 150.0, signal_after_pushes: int | None 
                 os.kill(p.pid, signal.SIGTERM)
             break
         time.sleep(0.05)
-    for p in ctx.processes:
-        p.join(max(0.1, deadline - time.monotonic()))
+    for rank, p in enumerate(ctx.processes):
+        if rank not in frozen:
+            p.join(max(0.1, deadline - time.monotonic()))
+    for rank in frozen:
+        os.kill(ctx.processes[rank].pid, signal.SIGCONT)
+        ctx.processes[rank].join(30)
     codes = [p.exitcode for p in ctx.processes]
     for p in ctx.processes:
         if p.is_alive():
@@ -120,22 +128,22 @@ def check_every_sample_once_per_epoch(out: Path, summary: dict) -> None:
 
 
 @pytest.mark.parametrize("phase", ["before", "after"])
-def test_a_killed_worker_is_dropped_and_the_others_finish_using_every_sample_once(tmp_path, monkeypatch, capfd, phase):
+def test_a_killed_worker_is_dropped_at_once_and_the_others_finish_using_every_sample_once(tmp_path, monkeypatch,
+                                                                                        capfd, phase):
     out = tmp_path / "run"
     monkeypatch.setenv(ENV, f"2:5:{phase}")  # worker rank 2 dies at its 5th push, in epoch 0
     start = time.monotonic()
-    codes = launch(out, workers=3, speeds="1,1,1")
+    # --heartbeat-s 30 outlasts the run's 5 s of training: the death is seen on its connection (its listener's
+    # wait, or the reply to it, fails at once), never by its silence; then the others push on without it.
+    codes = launch(out, workers=3, speeds="1,1,1", heartbeat_s=30.0)
     elapsed = time.monotonic() - start
     assert codes == [0, 0, -9, 0], (codes, errors(out))
     summary = json.loads((out / "summary.json").read_text())
     (drop,) = read_metrics(out, "drop")
     assert drop["rank"] == 1 and summary["dropped"] == [{"rank": 1, "version": drop["version"],
                                                          "reason": drop["reason"]}]
-    if phase == "before":  # silent: noticed by the heartbeat, its held batch dealt again
-        assert "sent nothing for" in drop["reason"] and "--heartbeat-s 2" in drop["reason"]
-        assert drop["redealt"] > 0
-    else:  # its 5th push was sent; the server's next exchange with it failed (a gloo error, not the heartbeat)
-        assert "connection failed" in drop["reason"] and drop["redealt"] > 0
+    assert drop["reason"].startswith("its connection failed: worker rank 2 ") and drop["redealt"] > 0, drop
+    if phase == "after":  # its 5th push was sent; the server's next exchange with it failed
         # Usually the push is applied and the reply with the next batch fails; if the dead process's reset
         # reaches the server before it read the gradients, that read fails and the push's batch is dealt again.
         assert sum(p["rank"] == 1 for p in read_metrics(out, "push")) in (4, 5)
@@ -144,10 +152,49 @@ def test_a_killed_worker_is_dropped_and_the_others_finish_using_every_sample_onc
     pushes = read_metrics(out, "push")
     assert [p["version"] for p in pushes] == list(range(1, len(pushes) + 1)) == list(range(1, summary["updates"] + 1))
     assert all(p["rank"] != 1 for p in pushes if p["version"] > drop["version"])
+    assert any(p["version"] > drop["version"] for p in pushes)  # dropped while training, not at the end
     assert drop["data_epoch"] in summary["complete_epochs"]  # what it held was dealt again and applied
     check_every_sample_once_per_epoch(out, summary)
     print(f"{phase}: {elapsed:.1f} s, drop at version {drop['version']}, {summary['updates']} updates, "
           f"samples per epoch {summary['samples_per_epoch']}")
+
+
+@pytest.mark.parametrize("phase", ["before", "sending", "after"])
+def test_a_stopped_worker_is_dropped_and_the_others_finish_using_every_sample_once(tmp_path, monkeypatch, phase):
+    """A frozen worker (SIGSTOP) is only silent: dropped after --heartbeat-s, wherever its cycle froze.
+
+    ``sending``: its header was announced, and its bytes (if the server was not waiting for them yet: gloo
+    sends once the receiver is ready) or its gradients never come; ``after``: its push arrived and it never
+    takes the reply. A server that waits on such an exchange with one connection for all workers let every
+    other worker's deadline lapse (all dropped: ``WorkersGone``), or hung for --timeout-s.
+    """
+    out = tmp_path / "run"
+    monkeypatch.setenv(ENV, f"2:5:{phase}:STOP")  # worker rank 2 freezes at its 5th push, in epoch 0
+    start = time.monotonic()
+    codes = launch(out, frozen=(2,), workers=3, speeds="1,1,1", timeout_s=20.0)
+    elapsed = time.monotonic() - start
+    assert codes == [0, 0, 1, 0], (codes, errors(out))
+    # Woken at the end, the dropped worker ends with one line naming the server: its connection closed, or
+    # (when its gloo thread had not yet seen the server's end as it posted) its wait ran out (--timeout-s 20).
+    woken = errors(out)["rank2.err"]
+    assert woken.startswith("PeerTimeout: the server (rank 0) ") and \
+        ("the connection closed" in woken or "within 20 s" in woken), woken
+    summary = json.loads((out / "summary.json").read_text())
+    (drop,) = read_metrics(out, "drop")
+    assert drop["rank"] == 1 and drop["live"] == [0, 2] and sum(drop["batches"]) == 1000, drop
+    # "sending": its header's bytes went out only if the server already waited for them (it usually does)
+    silent = {"before": ("sent nothing for",), "sending": ("sent a header but no gradients for", "sent nothing for"),
+              "after": ("took no reply for",)}[phase]
+    assert drop["reason"].startswith(silent) and drop["reason"].endswith(" s (--heartbeat-s 2)"), drop["reason"]
+    pushes = read_metrics(out, "push")
+    assert sum(p["rank"] == 1 for p in pushes) == (5 if phase == "after" else 4)  # "after": its 5th was applied
+    # While the server waited for it, the others pushed: nobody waited on it (a server blocked in the
+    # exchange with it applied nothing until it gave up on it), and they went on after the drop.
+    assert max(p["version"] for p in pushes if p["rank"] == 1) < drop["version"] < pushes[-1]["version"]
+    assert drop["data_epoch"] in summary["complete_epochs"]  # what it held was dealt again and applied
+    check_every_sample_once_per_epoch(out, summary)
+    print(f"{phase}: {elapsed:.1f} s, drop at version {drop['version']} ({drop['reason']}), "
+          f"{summary['updates']} updates")
 
 
 def test_a_killed_server_resumes_from_its_checkpoint_and_completes(tmp_path, monkeypatch):
@@ -214,7 +261,7 @@ def test_under_the_launcher_a_killed_worker_is_dropped_and_the_run_succeeds(tmp_
     assert warnings == ["omnilearn: warning: worker rank 2 died (killed by SIGKILL); the server dealt its samples "
                         "to the others"], err
     (drop,) = read_metrics(out, "drop")
-    assert drop["rank"] == 1 and "sent nothing for" in drop["reason"] and drop["live"] == [0, 2]
+    assert drop["rank"] == 1 and "its connection failed" in drop["reason"] and drop["live"] == [0, 2]
     summary = json.loads((out / "summary.json").read_text())
     assert drop["data_epoch"] in summary["complete_epochs"]
     check_every_sample_once_per_epoch(out, summary)
@@ -272,6 +319,17 @@ def test_in_asp_the_workers_watch_the_server_and_the_server_watches_nobody():
     assert worker.start().wait(5)
     assert verdicts == ["the parameter server (rank 0) stopped answering: no heartbeat for 0.6 s (hung, stopped or "
                         "dead; --heartbeat-s 0.6)"] and wd.hung_rank(verdicts[0]) == 0
+
+
+def test_a_fault_point_may_freeze_a_worker_instead_of_killing_it(monkeypatch):
+    monkeypatch.setenv(ENV, "2:5:sending:STOP")
+    assert kill_point(2) == KillPoint(2, 5, "sending", "STOP") and kill_point(1) is None
+    monkeypatch.setenv(ENV, "2:5:after")
+    assert kill_point(2) == KillPoint(2, 5, "after", "KILL")
+    for bad in ("2:5:after:TERM", "2:5:sending:STOP:1", "0:30:before:STOP"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=r"RANK:COUNT\[:PHASE\[:SIGNAL\]\]"):
+            kill_point(2)
 
 
 def test_in_asp_blame_names_the_parameter_server_and_not_its_workers(tmp_path):

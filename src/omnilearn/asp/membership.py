@@ -3,40 +3,40 @@
 The parameter server's side of failures (the wire-level findings behind it
 are in :mod:`omnilearn.distributed.ps`). Three sets: ``live`` (not
 dropped), ``stopped`` (told the run is over) and ``gone`` (dropped, with the
-reason). A live worker is dropped when
+reason). Each worker has a connection (a gloo group) and a thread of its
+own at the server that receives its requests and sends the answers
+(:mod:`omnilearn.distributed.serverlink`): the server's main thread never
+waits on a worker, and a live worker is dropped, only that worker, when
 
-- its connection fails mid-exchange (a gloo error receiving its gradients or
-  sending it a reply: it died; only its pair is closed), or
-- it sends nothing for longer than its allowance
-  (:class:`~omnilearn.asp.rules.Liveness`): ``heartbeat_s`` once it has
-  spoken, ``timeout_s`` before its first request (start-up).
+- its connection fails (it died: the wait its listener has posted fails at
+  once; a SIGKILLed worker is dropped within milliseconds), or
+- it is silent for longer than its allowance
+  (:meth:`~omnilearn.asp.rules.Liveness.allowance_s`: ``heartbeat_s`` once it
+  has spoken, ``timeout_s`` before its first request, start-up), wherever
+  it froze (SIGSTOP, a paused VM, a cut network): between exchanges (``sent
+  nothing for``) or in one (``sent a header but no gradients for``, ``took
+  no reply for``, ``took no weights for``). Its silence is timed by its
+  listener from the server's last answer to it, so time the server spent on
+  others (a checkpoint, an evaluation, another worker) never counts against it.
 
 Dropping takes back the deal it held (the dealer deals those indices again,
 first, to the others), gives its batch share to the others
 (:meth:`~omnilearn.asp.control.PushControl.drop`) and logs a ``drop`` event
-plus one warning line. The any-source receive waits only until the last
-waiting worker would be overdue: a dead worker cannot block the others
-(they keep the server awake and it checks the clocks at every request), and
-a wait that expires means every waiting worker is overdue, so all are
-dropped. With no live worker left (before the run's end) the run fails with
-:class:`WorkersGone`, one line naming each worker and why. A worker that
-hangs *mid-exchange* (its header sent, its gradients not, or its reply not
-taken) for ``timeout_s`` cannot be dropped: gloo closes every connection
-with that timeout, so the run fails with a ``PeerTimeout`` naming it.
+plus one warning line. Its connection is closed: a dropped worker that wakes
+up ends with one error line (the launcher reports it as lost; the run goes
+on). With no live worker left (before the run's end) the run fails with
+:class:`WorkersGone`, one line naming each worker and why.
 
-Run its tests: ``python -m pytest -q tests/faults/test_asp_faults.py tests/dist/test_asp_server.py -k hung``
+Run its tests: ``python -m pytest -q tests/faults/test_asp_faults.py tests/dist/test_asp_server.py``
 """
 
 from __future__ import annotations
 
-import time
 
 import torch
 
 from omnilearn.asp.rules import Liveness
-from omnilearn.distributed.ps import NoRequest, PeerLost, Request
-
-MARGIN_S = 0.05  # a receive waits this much past the last allowance, so that all are overdue when it expires
+from omnilearn.distributed.ps import PeerLost, PeerSilent, Request
 
 
 class WorkersGone(RuntimeError):
@@ -55,38 +55,33 @@ class Membership:
         """Live workers not yet told to stop: the server serves until this is empty."""
         return self.live - self.stopped
 
-    def start(self, now_s: float) -> None:
-        self.liveness.start(now_s)
+    def start(self) -> None:
+        """Connect to the workers and listen to each, for as long as :meth:`Liveness.allowance_s` lets it be silent."""
+        self.liveness.start()
+        self.server.link.start(lambda rank: self.liveness.allowance_s(rank - 1))
 
     def receive(self) -> tuple[Request, torch.Tensor | None] | None:
         """The next request, or None when a worker was dropped instead (then ask again)."""
-        self.drop_overdue(time.perf_counter())
-        if not self.waiting:
-            return None
         try:
-            req, payload = self.server.link.receive(self.liveness.wait_s(time.perf_counter(), self.waiting) + MARGIN_S)
+            req, payload = self.server.link.receive()
         except PeerLost as e:
-            self.drop(e.rank - 1, f"its connection failed: {e}")
+            self.lost(e)
             return None
-        except NoRequest:  # every waiting worker is overdue now (and gloo closed all connections with the timeout)
-            self.drop_overdue(time.perf_counter(), everyone=True)
-            return None
-        self.liveness.heard(req.rank - 1, time.perf_counter())
+        self.liveness.heard(req.rank - 1)
         return req, payload
 
-    def drop_overdue(self, now_s: float, everyone: bool = False) -> None:
-        """Drop each waiting worker silent past its allowance (``everyone``: each waiting worker)."""
-        quiet = [(w, now_s - self.liveness.last_heard_s[w]) for w in sorted(self.waiting)] if everyone else \
-            self.liveness.overdue(now_s, self.waiting)
-        for worker, quiet_s in quiet:
-            self.drop(worker, self.silence(worker, quiet_s))
+    def lost(self, e: PeerLost) -> None:
+        """Drop the worker whose connection failed or who was silent for its allowance (``e`` says which)."""
+        worker = e.rank - 1
+        self.drop(worker, self.silence(worker, e.quiet_s, e.what) if isinstance(e, PeerSilent)
+                  else f"its connection failed: {e}")
 
-    def silence(self, worker: int, quiet_s: float) -> str:
+    def silence(self, worker: int, quiet_s: float, what: str = "sent nothing") -> str:
         cfg = self.server.cfg
         if not self.liveness.greeted[worker]:
             return f"sent no first request within {quiet_s:.1f} s (--timeout-s {cfg.timeout_s:g})"
         flag = "--heartbeat-s" if cfg.heartbeat_s <= cfg.timeout_s else "--timeout-s"
-        return f"sent nothing for {quiet_s:.1f} s ({flag} {min(cfg.heartbeat_s, cfg.timeout_s):g})"
+        return f"{what} for {quiet_s:.1f} s ({flag} {min(cfg.heartbeat_s, cfg.timeout_s):g})"
 
     def drop(self, worker: int, reason: str) -> None:
         """Stop waiting for ``worker``: its deal is dealt again, its batch share goes to the others."""

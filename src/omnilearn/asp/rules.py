@@ -12,9 +12,9 @@ were repeats. :func:`push_lr` is the rate a push is applied with: linear
 scaling ``lr * b / b_ref`` (``b_ref = B / n``, so a balanced push moves the
 model as much as a uniform one) and, optionally, divided by the push's
 staleness (Zhang et al. 2016). :class:`Staleness` keeps per-worker
-statistics. :class:`Liveness` knows when each worker was last heard from and
-how long it may stay silent, so the server can drop a dead or hung worker
-and knows how long it may wait for anyone (the server's training time is
+statistics. :class:`Liveness` knows which workers have spoken and how long
+each may stay silent (the server's listeners time the silence, and drop a
+hung worker past it; the server's training time is
 :class:`omnilearn.trainclock.TrainClock`). Every stateful class has
 ``state_dict()``/``load_state_dict()`` of plain values (checkpoints load with
 ``weights_only=True``).
@@ -207,37 +207,24 @@ class Staleness:
 
 @dataclass
 class Liveness:
-    """When each worker was last heard from (server clock, seconds), and how long it may stay silent.
+    """Which workers have spoken, and how long each may stay silent.
 
     Before its first request a worker may take ``timeout_s`` (start-up: data, model); after it,
-    ``heartbeat_s`` (capped at ``timeout_s``; None: ``timeout_s``).
+    ``heartbeat_s`` (capped at ``timeout_s``; None: ``timeout_s``). The silence itself is timed by the
+    worker's listener at the server (:mod:`omnilearn.distributed.serverlink`), from its last answer.
     """
 
     workers: int
     timeout_s: float
     heartbeat_s: float | None = None
-    last_heard_s: list[float] = field(default_factory=list)
     greeted: list[bool] = field(default_factory=list)
 
-    def start(self, now_s: float) -> None:
-        self.last_heard_s, self.greeted = [now_s] * self.workers, [False] * self.workers
+    def start(self) -> None:
+        self.greeted = [False] * self.workers
 
-    def heard(self, worker: int, now_s: float) -> None:
-        self.last_heard_s[worker], self.greeted[worker] = now_s, True
-
-    def shift(self, seconds: float) -> None:
-        """The server did not listen for ``seconds`` (a checkpoint): nobody's silence counts it."""
-        self.last_heard_s = [t + seconds for t in self.last_heard_s]
+    def heard(self, worker: int) -> None:
+        self.greeted[worker] = True
 
     def allowance_s(self, worker: int) -> float:
         beat = self.timeout_s if self.heartbeat_s is None else min(self.heartbeat_s, self.timeout_s)
         return beat if self.greeted[worker] else self.timeout_s
-
-    def overdue(self, now_s: float, live: Iterable[int]) -> list[tuple[int, float]]:
-        """(worker, seconds silent) of each ``live`` worker silent for longer than its allowance, in worker order."""
-        quiet = [(w, now_s - self.last_heard_s[w]) for w in sorted(live)]
-        return [(w, q) for w, q in quiet if q > self.allowance_s(w)]
-
-    def wait_s(self, now_s: float, live: Iterable[int]) -> float:
-        """How long a receive may wait: until the last ``live`` worker is overdue (0 when none is live)."""
-        return max([0.0] + [self.last_heard_s[w] + self.allowance_s(w) - now_s for w in live])

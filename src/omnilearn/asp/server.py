@@ -15,16 +15,19 @@ times go to the ControlLoop (:mod:`omnilearn.asp.control`). When an epoch of
 data has been dealt the model is evaluated in a helper thread while the
 server keeps answering: it holds every request (pushes are kept, applied
 when the evaluation ends; workers poll), so no worker waits on the server
-for long, the liveness clocks see the polls, and training time excludes the pause.
+for long (its listener sees the polls), and training time excludes the pause.
 The helper thread is joined when ``serve()`` returns or raises (after an
 error too: one running evaluation is waited for, queued ones are dropped).
 
 Failures (:mod:`omnilearn.asp.membership`): a worker whose connection fails
-(a gloo error) or that sends nothing for ``heartbeat_s`` (``timeout_s``
-before its first request) is dropped: the indices it held go back to the
-dealer and are dealt again to the others, its batch share goes to them, and
-the run goes on; one that speaks again is told to stop. With no worker
-left the run fails, naming each. The run's length is counted in push
+(a gloo error: it died) or that is silent for ``heartbeat_s`` (``timeout_s``
+before its first request), between exchanges or frozen in the middle of
+one, is dropped, and only that worker (each has a connection and a
+listening thread of its own, :mod:`omnilearn.distributed.ps`): the indices
+it held go back to the dealer and are dealt again to the others, its batch
+share goes to them, and the run goes on; its connection is closed (one that
+wakes up ends with an error line). With no worker left the run fails,
+naming each. The run's length is counted in push
 *slots* of the full cluster: a push by one of ``m`` live workers of ``n``
 uses ``n / m`` slots (its batch is about ``B / m``, not ``B / n``), so the
 run ends after the samples it was planned for and the LR schedule (one
@@ -63,7 +66,8 @@ from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.config import BalanceConfig
-from omnilearn.distributed.ps import GO, HELLO, HOLD, PUSH, STOP, PeerLost, Request, ServerLink
+from omnilearn.distributed.ps import GO, HELLO, HOLD, PUSH, STOP, Request
+from omnilearn.distributed.serverlink import ServerLink
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.asplog import ASPLog
 from omnilearn.runplan import RunPlan
@@ -132,7 +136,7 @@ class ParameterServer:
         """Answer the workers until every live one was told to stop; the summary (also in the run directory)."""
         now = time.perf_counter()
         self.clock.start(now)
-        self.members.start(now)
+        self.members.start()
         try:
             while self.members.waiting:
                 got = self.members.receive()
@@ -141,9 +145,11 @@ class ParameterServer:
                 self.snapshots.after_request()
                 if self.fault is not None:
                     self.fault.reached(self.version)
+            self.link.close(wait_s=self.cfg.timeout_s)  # the listeners send the last STOPs (each within its allowance)
         finally:
             if self.pool is not None:  # a running evaluation ends first: no thread of ours outlives serve()
                 self.pool.shutdown(wait=True, cancel_futures=True)
+            self.link.close()  # after an error: a listener still waiting for its worker ends at its allowance
         if self.snapshots.stop_reason:
             raise stopping.Stopped(self.snapshots.stop_reason)
         wall_s = self.clock.wall_s(time.perf_counter())
@@ -154,12 +160,10 @@ class ParameterServer:
                                self.step)
 
     def answer(self, req: Request, payload: torch.Tensor | None) -> None:
-        """Handle one request; a worker whose connection fails meanwhile is dropped."""
-        try:
-            if self.handle(req, payload):
-                self.members.stopped.add(req.rank - 1)
-        except PeerLost as e:
-            self.members.drop(e.rank - 1, f"its connection failed: {e}")
+        """Handle one request. The reply goes out through the worker's listener: one the worker does not take
+        (dead, or frozen) comes back from the next receive, and the worker is dropped then."""
+        if self.handle(req, payload):
+            self.members.stopped.add(req.rank - 1)
 
     def handle(self, req: Request, payload: torch.Tensor | None) -> bool:
         """Answer one request; True when the worker was told to stop."""

@@ -18,7 +18,8 @@ holds plain values and tensors only::
 
 Before saving, the record's held events are written, so ``metrics.jsonl``
 holds every event up to the checkpoint's version; the save's time is a
-pause of the training clock and of every worker's silence clock.
+pause of the training clock (a worker's silence is timed by its listener,
+which does not wait on the save).
 
 Resume (``omnilearn train --resume``, :meth:`Snapshots.resume`): the newest
 checkpoint that loads is restored and a ``resume`` event (``version``,
@@ -82,7 +83,6 @@ class Snapshots:
         self.store.save(server.step, self.state_dict(), meta)
         end = time.perf_counter()
         server.clock.resume(end)
-        server.members.liveness.shift(end - start)
         if self.every:
             self.next_step = (server.step // self.every + 1) * self.every
         return True

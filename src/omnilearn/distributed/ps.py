@@ -11,48 +11,56 @@ One exchange per worker cycle, always in this order:
 
 Request kinds: ``HELLO`` (a worker's first), ``PUSH`` (a gradient),
 ``POLL`` (again, after a ``HOLD``). Reply status: ``GO`` (weights and
-indices follow), ``STOP`` (the run is over, or this worker was dropped),
+indices follow), ``STOP`` (the run is over for this worker: the last word),
 ``HOLD`` (the server is busy, evaluating: nothing follows; poll again after
-``POLL_S``). HOLD exists because a server that stopped receiving for longer
-than a worker's timeout would kill that worker (below: a timed-out wait
-ends every connection of its process); one that holds them keeps every
-wait short.
+``POLL_S``). HOLD keeps every wait of a worker short while the server evaluates.
 
-The server receives requests from any source (``irecv`` with no ``src``)
-and handles one at a time, so the state it sends is a consistent snapshot:
-it never changes while being sent.
+Each worker talks to the server over a gloo group of its own
+(:func:`pair_groups`: ``{0, k}``, created by every rank together, lazily,
+at the first exchange). This module is the worker's end
+(:class:`WorkerLink`); the server's end, one listening thread per worker
+and the requests queued in arrival order, is
+:mod:`omnilearn.distributed.serverlink`.
 
-How gloo behaves when a peer dies (measured with torch 2.13 on Linux; the
-experiments: a SIGKILLed worker among three, and waits that time out):
+Why, as measured with torch 2.13 on Linux (gloo's TCP transport; trial 6.3
+of issue 20, and ``tests/faults/test_asp_faults.py``):
 
-- A worker killed (SIGKILL) while the server waits in an any-source
-  ``irecv``: nothing is raised; the wait simply gets the other workers'
-  requests, and every other pair keeps working. The dead worker is only
-  *silent*: the server must notice it by time (:class:`~omnilearn.asp.rules.Liveness`).
-- An operation bound to the dead worker's pair (``irecv(src=k)`` of its
-  gradients after its header, or ``isend`` of a reply to it) raises at once
-  ("Connection reset by peer" / "Connection closed by peer"): only that pair
-  is closed, the others and any-source receives keep working. Here it is a
-  :class:`PeerLost` naming the rank; the server drops that worker.
-- Any wait that *times out* (``work.wait(timeout)`` expiring, any-source
-  or not) makes gloo signal the timeout to every pair of the process: all
-  connections close ("Application timeout caused pair closure") and nothing
-  works afterwards. So a timeout can never serve as a poll. The server
-  therefore waits for a request only as long as some live worker may still
-  speak (:meth:`~omnilearn.asp.rules.Liveness.wait_s`): when even that
-  expires every worker is gone and the run fails anyway.
-- A gloo ``Work`` cannot be tested without waiting (``is_completed()`` stays
-  False until ``wait()``) nor aborted from Python, so one ``irecv(src=k)``
-  posted per worker and polled in turn is not possible: the any-source
-  receive, which a dead peer does not disturb, is the right design.
+- Every gloo send is a rendezvous: the sender announces it, and its bytes go
+  out when the receiver has posted the matching receive -- sent by the
+  *sender's* gloo thread if the receive came later. A worker frozen
+  (SIGSTOP, a paused VM, a cut network) after announcing its request pins
+  the receive that takes it up: an any-source receive commits to the first
+  announcement it sees, so with one group for all, one frozen worker held
+  the server until every other worker's deadline had lapsed (all dropped)
+  or for ``timeout_s`` (a reply it never took). Any wait on a worker can be
+  pinned this way; only its own can be allowed to be.
+- A wait that *times out* closes every connection of its group ("Application
+  timeout caused pair closure"), and only of its group. With one group per
+  worker that is exactly "drop this worker": every server wait on a worker
+  is bounded by its allowance (``heartbeat_s`` once it has spoken,
+  ``timeout_s`` before: start-up) and ends in a :class:`PeerSilent`; the
+  other groups keep working.
+- A worker that dies (SIGKILL, a crash) closes its sockets: a wait posted on
+  its group fails at once ("Connection closed by peer"), a :class:`PeerLost`.
+  Its listener nearly always has one posted, so a dead worker is noticed
+  within milliseconds. An any-source receive is not bound to a connection
+  and noticed nothing: the old server waited out the heartbeat (60 s).
+- A gloo ``Work`` cannot be tested without waiting, nor aborted from Python:
+  hence one thread per worker, each waiting on its own group. A destroyed
+  group lets a pending wait run on to its timeout.
+
+Tests only: :func:`after_next_header` (:mod:`omnilearn.asp.faults` freezes a
+worker between announcing its request and sending it).
 
 Run its tests: ``python -m pytest -q tests/dist/test_asp_server.py tests/faults/test_asp_faults.py``
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,22 +70,41 @@ GO, STOP, HOLD = 0, 1, 2  # reply status
 POLL_S = 0.02  # a held worker asks again after this long
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_STATE = 11, 12, 13, 14
 REQUEST_LEN, REPLY_HEAD = 6, 5
+SERVER = 0
+_after_header: list[Callable[[], None]] = []  # tests only: see after_next_header
+
+
+def after_next_header(action: Callable[[], None]) -> None:
+    """Tests only (:mod:`omnilearn.asp.faults`): run ``action`` once, right after this process posts its next
+    request header (the server is told a header is ready; its bytes go out only when the server takes them)."""
+    _after_header.append(action)
 
 
 class PeerTimeout(RuntimeError):
-    """A peer sent nothing within the timeout: it died or hangs (and every connection of this process is closed)."""
+    """The server sent or took nothing within the timeout, or closed the connection (a worker's error)."""
 
 
 class NoRequest(PeerTimeout):
-    """No worker sent a request within the wait (then every connection of this process is closed)."""
+    """No worker sent a request and none was dropped within the wait (the server's guard against a lost listener)."""
 
 
 class PeerLost(RuntimeError):
-    """The connection to worker ``rank`` failed mid-exchange (it died); the other connections still work."""
+    """The connection to worker ``rank`` failed (it died); the other workers' connections still work."""
 
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class PeerSilent(PeerLost):
+    """Worker ``rank`` ``what`` (e.g. "sent nothing", "took no reply") for ``quiet_s``, its allowance.
+
+    The wait timed out, so its connection (its own group) is closed; the other workers' are not.
+    """
+
+    def __init__(self, rank: int, what: str, quiet_s: float) -> None:
+        super().__init__(rank, f"worker rank {rank} {what} for {quiet_s:.1f} s")
+        self.what, self.quiet_s = what, quiet_s
 
 
 @dataclass(frozen=True)
@@ -108,82 +135,37 @@ class Reply:
         return self.status == HOLD
 
 
-def _cause(e: BaseException) -> str:
+def gloo_cause(e: BaseException) -> str:
     """gloo's message without its source path and advice: "Read error [127.0.0.1]:9935: Connection reset by peer"."""
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
     text = text.split("] ", 1)[-1] if text.startswith("[") else text
     return text.split(". This is typically", 1)[0][:160]
 
 
-def _wait(work, timeout_s: float, what: str) -> None:
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise PeerTimeout(f"{what} within {timeout_s:g} s ({_cause(e)})") from None
+def pair_groups(timeout_s: float) -> dict[int, dist.ProcessGroup]:
+    """One gloo group ``{0, k}`` per worker rank ``k``; every rank creates them all, in order. Those this rank is in.
 
-
-def _exchange(work, rank: int, timeout_s: float, what: str) -> None:
-    """Wait for one operation on worker ``rank``'s pair: a failure is a :class:`PeerLost`, a timeout a PeerTimeout."""
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        cause = _cause(e)
-        if "Timed out" in cause:  # every pair of this process is closed now, not only this one
-            raise PeerTimeout(f"worker rank {rank} {what} within {timeout_s:g} s ({cause})") from None
-        raise PeerLost(rank, f"worker rank {rank} {what} ({cause})") from None
-
-
-class ServerLink:
-    def __init__(self, state_len: int, max_batch: int, timeout_s: float) -> None:
-        self.payload = torch.empty(state_len, dtype=torch.float32)
-        self.max_batch, self.timeout_s = max_batch, timeout_s
-
-    def receive(self, wait_s: float | None = None) -> tuple[Request, torch.Tensor | None]:
-        """The next worker's request (from whichever worker sends first) and, for a push, its payload.
-
-        :class:`NoRequest` when none came within ``wait_s`` (default ``timeout_s``): then every connection
-        of this process is closed. :class:`PeerLost` when the sender of a header died before its payload,
-        :class:`PeerTimeout` when it sent no payload within ``timeout_s`` (hung: every connection closed).
-        """
-        head = torch.empty(REQUEST_LEN, dtype=torch.float64)
-        work = dist.irecv(head, tag=TAG_REQUEST)
-        wait_s = self.timeout_s if wait_s is None else wait_s
+    :class:`PeerTimeout` when the other end does not connect within ``timeout_s`` (it died or hangs while starting).
+    """
+    me, groups = dist.get_rank(), {}
+    for k in range(1, dist.get_world_size()):
         try:
-            work.wait(timeout=timedelta(seconds=wait_s))
+            group = dist.new_group([SERVER, k], timeout=timedelta(seconds=timeout_s), backend="gloo")
         except RuntimeError as e:
-            raise NoRequest(f"no worker sent a request within {wait_s:g} s ({_cause(e)})") from None
-        src = int(work._source_rank()) if hasattr(work, "_source_rank") else int(work.source_rank())
-        kind, batch, version, cycle_s, compute_s, loss = head.tolist()
-        req = Request(src, int(kind), int(batch), int(version), cycle_s, compute_s, loss)
-        if req.kind not in (HELLO, PUSH, POLL):
-            raise RuntimeError(f"worker rank {src} sent an unknown request kind {req.kind}")
-        if req.kind != PUSH:
-            return req, None
-        _exchange(dist.irecv(self.payload, src=src, tag=TAG_PAYLOAD), src, self.timeout_s,
-                  "sent a header but no gradients")
-        return req, self.payload
-
-    def reply(self, rank: int, status: int, version: int, epoch: int = 0, slowdown: float = 1.0,
-              indices: list[int] | None = None, state: torch.Tensor | None = None) -> None:
-        """Answer worker ``rank``: ``GO`` sends ``indices`` and ``state``; ``STOP`` and ``HOLD`` send neither.
-
-        :class:`PeerLost` when the worker's connection fails (it died).
-        """
-        indices = indices or []
-        if len(indices) > self.max_batch:
-            raise ValueError(f"{len(indices)} indices exceed the largest batch {self.max_batch}")
-        head = torch.zeros(REPLY_HEAD + self.max_batch, dtype=torch.float64)
-        head[:REPLY_HEAD] = torch.tensor([status, version, len(indices), epoch, slowdown], dtype=torch.float64)
-        head[REPLY_HEAD : REPLY_HEAD + len(indices)] = torch.tensor(indices, dtype=torch.float64)
-        _exchange(dist.isend(head, dst=rank, tag=TAG_REPLY), rank, self.timeout_s, "took no reply")
-        if status == GO:
-            _exchange(dist.isend(state, dst=rank, tag=TAG_STATE), rank, self.timeout_s, "took no weights")
+            other = f"worker rank {k}" if me == SERVER else "the server (rank 0)"
+            raise PeerTimeout(f"{other} did not connect within {timeout_s:g} s ({gloo_cause(e)}): it died or hangs "
+                              "while starting") from None
+        if me in (SERVER, k):
+            groups[k] = group
+    return groups
 
 
 class WorkerLink:
     def __init__(self, state_len: int, max_batch: int, timeout_s: float) -> None:
         self.state = torch.empty(state_len, dtype=torch.float32)
         self.max_batch, self.timeout_s = max_batch, timeout_s
+        self.timeout = timedelta(seconds=timeout_s)
+        self.group: dist.ProcessGroup | None = None  # this worker's group with the server, made at its first request
 
     def request(self, kind: int, batch: int, pulled_version: int, cycle_s: float, compute_s: float, loss: float,
                 payload: torch.Tensor | None = None) -> Reply:
@@ -194,17 +176,47 @@ class WorkerLink:
     def send(self, kind: int, batch: int, pulled_version: int, cycle_s: float, compute_s: float, loss: float,
              payload: torch.Tensor | None = None) -> None:
         head = torch.tensor([kind, batch, pulled_version, cycle_s, compute_s, loss], dtype=torch.float64)
-        _wait(dist.isend(head, dst=0, tag=TAG_REQUEST), self.timeout_s, "the server (rank 0) took no request")
+        if self.group is None:
+            self.group = pair_groups(self.timeout_s)[dist.get_rank()]
+        with self.failing("the server (rank 0) took no request"):
+            work = dist.isend(head, dst=SERVER, group=self.group, tag=TAG_REQUEST)
+            while _after_header:
+                _after_header.pop(0)()
+            work.wait(timeout=self.timeout)
         if kind == PUSH:
-            _wait(dist.isend(payload, dst=0, tag=TAG_PAYLOAD), self.timeout_s, "the server (rank 0) took no gradients")
+            with self.failing("the server (rank 0) took no gradients"):
+                dist.isend(payload, dst=SERVER, group=self.group, tag=TAG_PAYLOAD).wait(timeout=self.timeout)
 
     def answer(self) -> Reply:
         """The server's reply to the request just sent (and, for ``GO``, the weights into ``state``)."""
         reply = torch.empty(REPLY_HEAD + self.max_batch, dtype=torch.float64)
-        _wait(dist.irecv(reply, src=0, tag=TAG_REPLY), self.timeout_s, "the server (rank 0) did not answer")
+        with self.failing("the server (rank 0) did not answer"):
+            dist.irecv(reply, src=SERVER, group=self.group, tag=TAG_REPLY).wait(timeout=self.timeout)
         status, version, count, epoch, slowdown = reply[:REPLY_HEAD].tolist()
         status, version, count, epoch = int(status), int(version), int(count), int(epoch)
         indices = [int(v) for v in reply[REPLY_HEAD : REPLY_HEAD + count].tolist()]
         if status == GO:
-            _wait(dist.irecv(self.state, src=0, tag=TAG_STATE), self.timeout_s, "the server (rank 0) sent no weights")
+            with self.failing("the server (rank 0) sent no weights"):
+                dist.irecv(self.state, src=SERVER, group=self.group, tag=TAG_STATE).wait(timeout=self.timeout)
+        elif status == STOP:  # the server's last word to this worker
+            self.close()
         return Reply(status, version, epoch, slowdown, indices)
+
+    @contextmanager
+    def failing(self, what: str) -> Iterator[None]:
+        """A gloo error inside becomes one :class:`PeerTimeout` line saying ``what`` (and the group is let go)."""
+        try:
+            yield
+        except RuntimeError as e:
+            self.close()
+            cause = gloo_cause(e)
+            if "Timed out" in cause:
+                raise PeerTimeout(f"{what} within {self.timeout_s:g} s ({cause})") from None
+            raise PeerTimeout(f"{what}: the connection closed ({cause}); the server dropped this worker "
+                              "(silent for its --heartbeat-s) or ended") from None
+
+    def close(self) -> None:
+        """Let go of the group with the server (its gloo threads end now, not at interpreter exit)."""
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
