@@ -2,38 +2,50 @@
 
     from omnilearn.integrations.lightning import OmniLearnStrategy
     trainer = pl.Trainer(strategy=OmniLearnStrategy(global_batch=256, speeds="3,1"), accelerator="cpu",
-                         devices=2, max_steps=500, use_distributed_sampler=False)
+                         devices=2, max_steps=500, accumulate_grad_batches=2)
+    trainer.fit(model, train_loader, val_loader)            # ckpt_path=... resumes data and controller too
 
-The strategy is Lightning's DDP strategy with OmniLearn's session inside
-(:func:`omnilearn.setup` joins the process group Lightning made):
+Lightning's DDP strategy with an OmniLearn session inside, one per ``fit()``
+(:func:`omnilearn.setup` joins the group Lightning made). Per fit:
 
 - the model is wrapped by ``Session.wrap_model`` (DDP with the weighted
-  gradient hook: the update is the global batch's mean gradient);
-- the training dataloader's dataset (and ``collate_fn``, ``num_workers``)
-  goes into ``Session.data_loader``: each step hands this worker its share
-  ``b_i`` of the global batch (Lightning's batch size is ignored; validation
-  loaders stay Lightning's);
-- after each optimizer step the session's ``step(loss)`` ends the step;
-  every control interval the controller may move batches; each worker's
-  batch is logged to Lightning's loggers as ``omnilearn/batch_rank<i>``;
-- ``finish()`` at the end of fit writes the summary (rank 0) and, with
-  ``out=``, the run directory;
-- teardown: Lightning keeps its process group after fit (``trainer.test()``
-  may follow); OmniLearn destroys it when the process exits, before the
-  interpreter finalises, after the model let go of it
-  (:func:`omnilearn.distributed.group.destroy`), so no gloo thread is left
-  to abort the exit.
+  gradient hook; DDP keyword arguments given to the strategy reach it);
+- the training ``DataLoader`` is rebuilt by ``Session.data_loader`` with its
+  own settings (:mod:`omnilearn.integrations.lightning_data`): each step
+  hands this worker its share ``b_i`` of the global batch; validation, test
+  and predict loaders are sharded, disjoint, over the ranks;
+- ``Trainer(accumulate_grad_batches=K)`` becomes the session's exact
+  accumulation: each optimizer step is ``K`` micro-batches of the worker's
+  share; Lightning's ``backward`` goes through ``Session.backward`` (the
+  weight ``m_ij/b_i``, the sync on the last micro-batch only; Lightning's
+  ``1/K`` loss scaling is undone first);
+- after each optimizer step ``Session.step()``: the session's step count
+  is Lightning's ``global_step`` (checked every step); every control
+  interval the controller may move batches; rank 0 logs each worker's batch
+  as ``omnilearn/batch_rank<i>``;
+- validation inside fit is left out of the training time and of the next
+  step's compute;
+- checkpoints: ``ol.state_dict()`` (every rank's part, gathered on rank 0)
+  rides in Lightning's checkpoint under ``"omnilearn"``; ``fit(ckpt_path=...)``
+  loads it into the new session, so data, controller and step count continue
+  where they stopped (at another world size too: the split is re-planned);
+- ``on_train_end``: ``Session.finish()`` (``strategy.summary`` on rank 0;
+  with ``out=``, the run directory); teardown releases the wrapped model;
+- a second ``fit()`` on the same Trainer continues the run (its session
+  loads the previous one's state; the run directory is rewritten); a new
+  Trainer starts afresh.
 
-Settings are :func:`omnilearn.setup` keywords (``global_batch`` or
-``local_batch``, ``speeds``, ``controller``, ``control_interval``, ``out``...);
-``total_steps`` is the Trainer's ``max_steps``. Pass
-``use_distributed_sampler=False`` to the Trainer (OmniLearn's sampler
-replaces Lightning's). Not supported yet: gradient accumulation (Lightning's
-``accumulate_grad_batches`` is refused with a one-line error, and
-``accumulation_steps`` is not wired here), checkpoints of the session
-through Lightning's checkpoint hooks, and Fabric.
+Refused in one line (:mod:`omnilearn.integrations.lightning_options`): DDP
+comm hooks and model averaging, buffer broadcasting, ``total_steps`` /
+``accumulation_steps`` / ``device`` keywords (the Trainer's), more than one
+optimizer, an overridden ``LightningModule.backward``, a changing
+``accumulate_grad_batches``, a resume from a checkpoint without OmniLearn's
+state. Lightning's ``use_distributed_sampler`` is not used (OmniLearn shards
+training and evaluation itself); Lightning handles SIGTERM
+(``handle_signals=False`` unless given). Fabric: docs/lightning.md says why not.
 
-Run: ``python -m pytest -q tests/examples/test_lightning_example.py``
+Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py tests/dist/test_lightning_resume.py
+tests/examples/test_lightning_example.py``
 """
 
 from __future__ import annotations
@@ -43,31 +55,43 @@ from typing import Any
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
-    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+    from lightning.pytorch.utilities.model_helpers import is_overridden
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("omnilearn.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
 import omnilearn
+from omnilearn.bsp.checkpointing import from_bytes, to_bytes
+from omnilearn.bsp.wrap import release
 from omnilearn.config import ConfigError
+from omnilearn.distributed.collect import gather_bytes
+from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
+from omnilearn.integrations.lightning_options import split_options
+
+STATE_KEY = "omnilearn"  # the session's state in a Lightning checkpoint
 
 
-class _StepReporter(pl.Callback):
-    """Ends OmniLearn's step after each training batch and logs the per-worker batches."""
+class _BatchLogger(pl.Callback):
+    """After each optimizer step: the one-step-counter check, and each worker's batch to Lightning's logger."""
 
     def __init__(self, strategy: "OmniLearnStrategy") -> None:
-        self.strategy = strategy
+        self.strategy, self.logged = strategy, -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.logged = self.strategy.session.steps_done
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         session = self.strategy.session
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        session.step(loss)
+        if session.steps_done == self.logged:
+            return  # a micro-batch before the optimizer step
+        self.logged = session.steps_done
+        if session.steps_done != trainer.global_step:
+            raise RuntimeError(f"OmniLearn's session is at step {session.steps_done} but trainer.global_step is "
+                               f"{trainer.global_step}: one Session.step() per optimizer step was broken")
         if trainer.logger is not None and session.is_main:
             metrics = {f"omnilearn/batch_rank{r}": float(b) for r, b in enumerate(session.batches)}
             trainer.logger.log_metrics(metrics, step=trainer.global_step)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.summary = self.strategy.session.finish()
 
 
 class OmniLearnStrategy(DDPStrategy):
@@ -75,31 +99,160 @@ class OmniLearnStrategy(DDPStrategy):
 
     strategy_name = "omnilearn"
 
-    def __init__(self, **settings: Any) -> None:
-        super().__init__()
+    def __init__(self, **options: Any) -> None:
+        lightning, ddp_kwargs, settings = split_options(options)
+        super().__init__(**lightning, **ddp_kwargs)
+        settings.setdefault("handle_signals", False)  # Lightning's own SIGTERM handling stops the Trainer
         self.settings = settings
         self.session = None
         self.summary: dict | None = None
+        self._resume_state: dict | None = None  # the session state of the checkpoint fit(ckpt_path=) loads
+        self._last_state: dict | None = None  # the previous fit's session state (a second fit continues it)
+        self._fits = 0
+        self._carry: dict | None = None  # the state the next training loader's session loads
+        self._paused = None
 
+    # --- the session's life: one per fit ---------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise ConfigError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported "
-                              "by OmniLearnStrategy; drop it (the global batch is per optimizer step)")
-        if trainer.state.fn == "fit" and self.session is None:
-            steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-            device = "cuda" if self.root_device.type == "cuda" else "cpu"
-            self.session = omnilearn.setup(total_steps=steps, device=device, **self.settings)
-            trainer.callbacks.append(_StepReporter(self))
+        trainer._accelerator_connector.use_distributed_sampler = False  # OmniLearn shards training and evaluation
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._open_session(trainer)
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_fit()
+
+    def _open_session(self, trainer: pl.Trainer) -> None:
+        carry, self._resume_state = self._resume_state, None
+        if carry is None and trainer.global_step > 0:
+            carry = self._last_state  # a second fit on this Trainer continues the run (checked at train start)
+        settings = dict(self.settings)
+        if self._fits and settings.get("out") is not None:
+            settings["overwrite"] = True  # this strategy's own run directory, continued
+        steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        device = "cuda" if self.root_device.type == "cuda" else "cpu"
+        self.session = omnilearn.setup(total_steps=steps, device=device,
+                                       accumulation_steps=trainer.accumulate_grad_batches, **settings)
+        self._carry, self._fits, self.summary = carry, self._fits + 1, None
+        if not any(isinstance(c, _BatchLogger) and c.strategy is self for c in trainer.callbacks):
+            trainer.callbacks.append(_BatchLogger(self))
+
+    def _check_fit(self) -> None:
+        module = self.lightning_module
+        if len(self.optimizers) != 1:
+            raise ConfigError(f"configure_optimizers() returned {len(self.optimizers)} optimizers: OmniLearnStrategy "
+                              "takes one (one OmniLearn step per optimizer step)")
+        if is_overridden("backward", module):
+            raise ConfigError(f"{type(module).__name__}.backward() is overridden: OmniLearnStrategy does each "
+                              "backward itself (Session.backward weights it); drop the override")
 
     def _setup_model(self, model):
-        return self.session.wrap_model(model)
+        return self.session.wrap_model(model, **self._ddp_kwargs)
 
     def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage == RunningStage.TRAINING:
+            loader = training_loader(self.session, dataloader)
+            if self._carry is not None:
+                self.session.load_state_dict(self._carry)  # after wrap_model and data_loader, before iterating
+                self._carry = None
+            return loader
+        return evaluation_loader(dataloader, self.global_rank, self.world_size, trainer.state.stage)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if self.session.steps_done != trainer.global_step:
+            raise ConfigError(f"trainer.global_step is {trainer.global_step} but OmniLearn's session is at step "
+                              f"{self.session.steps_done}: the checkpoint holds no '{STATE_KEY}' state (saved without "
+                              "OmniLearnStrategy?); resume from a checkpoint OmniLearnStrategy wrote")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        k, trainer = self.session.cfg.accumulation_steps, self.lightning_module.trainer
+        if trainer.accumulate_grad_batches != k:
+            raise ConfigError(f"accumulate_grad_batches changed to {trainer.accumulate_grad_batches} during fit (a "
+                              f"GradientAccumulationScheduler?): OmniLearn's exact accumulation is fixed per fit at {k}")
+
+    def on_train_end(self) -> None:
+        self._last_state = self.session.state_dict()
+        self.summary = self.session.finish()
+        super().on_train_end()
+
+    def teardown(self) -> None:
+        model = self.session.model if self.session is not None else None
+        super().teardown()
+        release(model)  # the wrapped model lets go of the group: a later fit wraps the module anew
+
+    # --- the step: backward through the session, Session.step() after the optimizer's ----------------------
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+        if not self._training():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if args or kwargs:
+            raise ConfigError(f"backward arguments {args or ''}{kwargs or ''} are not supported by OmniLearnStrategy "
+                              "(Session.backward takes the loss only); drop them")
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        k = self.session.cfg.accumulation_steps  # Lightning divided the loss by k; the session weights it exactly
+        self.session.backward(closure_loss * k if k > 1 else closure_loss)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def block_backward_sync(self):
+        """The session decides which micro-batch syncs (``model.no_sync()`` is refused on an OmniLearn model)."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._training():
+            lr = optimizer.param_groups[0].get("lr")
+            self.session.step(lr=float(lr) if lr is not None else None)
+        return out
+
+    def _training(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.session is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
-            return dataloader
-        if self.session.loader is not None:
-            return self.session.loader
-        return self.session.data_loader(dataloader.dataset, num_workers=dataloader.num_workers,
-                                        collate_fn=dataloader.collate_fn)
+        return self.session is not None and trainer is not None and trainer.state.stage == RunningStage.TRAINING
+
+    # --- validation inside fit: not training time ----------------------------------------------------------
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.session is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._paused = self.session.paused()
+            self._paused.__enter__()
+
+    def on_validation_end(self) -> None:
+        if self._paused is not None:
+            self._paused.__exit__(None, None, None)
+            self._paused = None
+            if self.session.ledger.open is not None:
+                self.session.timer.begin()  # the step fetched ahead: its compute starts after the validation
+        super().on_validation_end()
+
+    # --- checkpoints: the session's state rides in Lightning's ---------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Every rank calls it (``Trainer.save_checkpoint``): the session's state, every rank's part, on rank 0."""
+        if self.session is not None and self.session.loader is not None:
+            if not self.session.interval_ended and self.session.model is not None:
+                self.session.sync_buffers()
+                checkpoint["state_dict"] = self.lightning_module_state_dict()
+            checkpoint[STATE_KEY] = _gathered_state(self.session)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._resume_state = checkpoint.get(STATE_KEY)
+        return checkpoint
+
+
+def _gathered_state(session: Any) -> dict:
+    """``session.state_dict()`` with every rank's own part (``rank<r>``) on rank 0 (a collective)."""
+    state = session.state_dict()
+    mine = f"rank{session.rank}"
+    parts = gather_bytes(session.ctx, to_bytes(state.pop(mine)))
+    for rank, data in enumerate(parts or []):
+        state[f"rank{rank}"] = from_bytes(data)
+    return state
