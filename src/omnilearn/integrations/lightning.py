@@ -237,7 +237,7 @@ class OmniLearnStrategy(DDPStrategy):
             if not self.session.interval_ended and self.session.model is not None:
                 self.session.sync_buffers()
                 checkpoint["state_dict"] = self.lightning_module_state_dict()
-            checkpoint[STATE_KEY] = _gathered_state(self.session)
+            checkpoint[STATE_KEY] = gathered_state(self.session)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -248,7 +248,7 @@ class OmniLearnStrategy(DDPStrategy):
         return checkpoint
 
 
-def _gathered_state(session: Any) -> dict:
+def gathered_state(session: Any) -> dict:
     """``session.state_dict()`` with every rank's own part (``rank<r>``) on rank 0 (a collective)."""
     state = session.state_dict()
     mine = f"rank{session.rank}"

@@ -15,7 +15,10 @@ or model averaging (OmniLearn's weighted all-reduce is the comm hook), buffer
 broadcasting (OmniLearn averages buffers by batch share), ``total_steps``
 (the Trainer's ``max_steps``), ``accumulation_steps`` (the Trainer's
 ``accumulate_grad_batches``), ``device`` (the Trainer's ``accelerator`` and
-``devices``), and any keyword none of the three takes.
+``devices``), and any keyword none of the three takes. Fabric's strategy
+(:mod:`omnilearn.integrations.lightning_fabric`) has no Trainer: it takes
+``total_steps`` and ``accumulation_steps`` as ``omnilearn.setup()`` keywords
+and Fabric's ``precision`` in place of ``precision_plugin``.
 
 Run: ``python -m pytest -q tests/dist/test_lightning_options.py``
 """
@@ -48,25 +51,32 @@ REFUSED = {
 }
 
 
-def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(Lightning's ``DDPStrategy`` arguments, DDP arguments, ``omnilearn.setup()`` keywords); refusals raise."""
+FABRIC_ARGS = LIGHTNING_ARGS - {"precision_plugin"} | {"precision"}  # Fabric's DDPStrategy
+FABRIC_TAKES = frozenset({"total_steps", "accumulation_steps"})  # no Trainer: the loop's settings are the session's
+
+
+def split_options(options: dict[str, Any], who: str = "OmniLearnStrategy", framework: frozenset = LIGHTNING_ARGS,
+                  takes: frozenset = frozenset()) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(the framework strategy's arguments, DDP arguments, ``omnilearn.setup()`` keywords); refusals raise.
+
+    ``takes``: keywords of :data:`REFUSED` this strategy takes as ``omnilearn.setup()`` keywords (Fabric's).
+    """
     lightning, ddp, settings = {}, {}, {}
     for name, value in options.items():
-        if name in REFUSED:
-            raise ConfigError(f"OmniLearnStrategy({name}={value!r}) is not supported: {REFUSED[name]}")
+        if name in REFUSED and name not in takes:
+            raise ConfigError(f"{who}({name}={value!r}) is not supported: {REFUSED[name]}")
         if name in BUFFER_BROADCAST:
             if value:
-                raise ConfigError(f"OmniLearnStrategy({name}={value!r}) is not supported: OmniLearn averages buffers "
+                raise ConfigError(f"{who}({name}={value!r}) is not supported: OmniLearn averages buffers "
                                   "(BatchNorm statistics) weighted by batch share every control interval; drop it")
             continue  # False is OmniLearn's own setting already
-        if name in LIGHTNING_ARGS:
+        if name in framework:
             lightning[name] = value
         elif name in DDP_ARGS:
             ddp[name] = value
         elif name in KEYWORDS:
             settings[name] = value
         else:
-            raise ConfigError(f"OmniLearnStrategy got an unknown keyword {name}={value!r}; it takes "
-                              "omnilearn.setup() keywords, DistributedDataParallel arguments and DDPStrategy's "
-                              f"({', '.join(sorted(LIGHTNING_ARGS))})")
+            raise ConfigError(f"{who} got an unknown keyword {name}={value!r}; it takes omnilearn.setup() "
+                              f"keywords, DistributedDataParallel arguments and DDPStrategy's ({', '.join(sorted(framework))})")
     return lightning, ddp, settings

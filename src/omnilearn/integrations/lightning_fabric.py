@@ -1,0 +1,151 @@
+"""Lightning Fabric: ``Fabric(strategy=OmniLearnFabricStrategy(...))`` balances a custom training loop.
+
+    from omnilearn.integrations.lightning_fabric import OmniLearnFabricStrategy
+    fabric = Fabric(strategy=OmniLearnFabricStrategy(global_batch=256, speeds="3,1", accumulation_steps=2,
+                                                     total_steps=1000), accelerator="cpu", devices=2)
+    fabric.launch()
+    model, opt = fabric.setup(model, opt)
+    train, val = fabric.setup_dataloaders(train_loader, val_loader)   # train: shuffle=True
+    for i, (x, y) in enumerate(train):                                # K micro-batches per step, one by one
+        accumulating = (i + 1) % 2 != 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            fabric.backward(loss_fn(model(x), y))
+        if not accumulating:
+            opt.step(); opt.zero_grad()                               # OmniLearn's step ends here
+    fabric.save(path, {"model": model, "optimizer": opt})             # the session's state rides along
+
+Fabric's DDP strategy with an OmniLearn session inside (one per strategy):
+
+- ``fabric.setup(model, ...)`` opens the session (:func:`omnilearn.setup`
+  joins Fabric's group) and wraps the model (``Session.wrap_model``, DDP
+  keyword arguments included);
+- ``fabric.setup_dataloaders``: the shuffled loader is the training data
+  (:func:`~omnilearn.integrations.lightning_data.training_loader`: each step
+  this worker's share, ``accumulation_steps`` micro-batches one by one, a
+  whole epoch's ``len()``); unshuffled loaders are sharded, disjoint, over the
+  ranks (no sample twice; reduce sums and counts, not means). Fabric's own
+  ``DistributedSampler`` is not injected;
+- ``fabric.backward(loss)`` is ``Session.backward`` (exact weights; the
+  session decides which micro-batch syncs): ``fabric.no_backward_sync`` only
+  checks that the loop skips the sync where the session does, and raises
+  where they disagree (``model.no_sync()`` itself is refused);
+- ``optimizer.step()`` then ``Session.step()``: the controller may move batches;
+- ``fabric.save`` adds the session's state (every rank's part, gathered on
+  rank 0) under ``"omnilearn"``; ``fabric.load(path, state)`` restores it, so
+  the training loader continues where it stopped (at another world size too).
+
+The loop's length is the session's (``total_steps``); ``strategy.session``
+is the :class:`~omnilearn.bsp.session.Session` (``finish()`` for the summary,
+``should_stop``). Refused: a ``GradScaler`` precision (``16-mixed``), extra
+``backward`` arguments, a second model.
+
+Run: ``python -m pytest -q tests/dist/test_lightning_fabric.py``
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+try:
+    from lightning.fabric.strategies import DDPStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("omnilearn.integrations.lightning_fabric needs Lightning: pip install lightning") from e
+from torch.utils.data import DataLoader, RandomSampler
+
+import omnilearn
+from omnilearn.config import ConfigError
+from omnilearn.integrations.lightning import STATE_KEY, gathered_state
+from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
+from omnilearn.integrations.lightning_options import FABRIC_ARGS, FABRIC_TAKES, split_options
+
+
+class _SessionSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the session syncs on each step's last micro-batch; the loop must agree."""
+
+    def __init__(self, strategy: "OmniLearnFabricStrategy") -> None:
+        self.strategy = strategy
+
+    def no_backward_sync(self, module: Any, enabled: bool):
+        micro = self.strategy.session.micro
+        k, j = len(micro.sizes), micro.done
+        if enabled == (j == k - 1):
+            what = "skips" if enabled else "does not skip"
+            raise RuntimeError(f"fabric.no_backward_sync(enabled={enabled}) {what} the sync of micro-batch {j + 1} of "
+                               f"{k}: OmniLearn syncs each step's last micro-batch only (accumulation_steps="
+                               f"{micro.steps}); skip it for the first {k - 1} of every {k}")
+        return nullcontext()  # the session sets DDP's require_backward_grad_sync itself
+
+
+class OmniLearnFabricStrategy(DDPStrategy):
+    """Fabric's DDP strategy with OmniLearn's balanced batches, weighted gradients and controller."""
+
+    def __init__(self, **options: Any) -> None:
+        fabric, ddp_kwargs, settings = split_options(options, "OmniLearnFabricStrategy", FABRIC_ARGS, FABRIC_TAKES)
+        super().__init__(**fabric, **ddp_kwargs)
+        self.settings = settings
+        self.session = None
+        self._pending: dict | None = None  # a loaded session state waiting for the training loader
+        self._backward_sync_control = _SessionSync(self)
+
+    @property
+    def distributed_sampler_kwargs(self) -> None:
+        return None  # OmniLearn shards the data itself: Fabric injects no DistributedSampler
+
+    def setup_module(self, module):
+        if self.session is not None:
+            raise ConfigError("OmniLearnFabricStrategy balances one model: fabric.setup() it once (one strategy per "
+                              "model)")
+        if getattr(self.precision, "scaler", None) is not None:
+            raise ConfigError("Fabric(precision='16-mixed') uses a GradScaler, which OmniLearnFabricStrategy does not "
+                              "support; use precision='bf16-mixed', '32-true' or '64-true'")
+        device = "cuda" if self.root_device.type == "cuda" else "cpu"
+        self.session = omnilearn.setup(device=device, **self.settings)
+        return self.session.wrap_model(module, **self._ddp_kwargs)
+
+    def process_dataloader(self, dataloader: DataLoader) -> Any:
+        if self.session is None:
+            raise ConfigError("fabric.setup_dataloaders() before fabric.setup(model): set up the model first "
+                              "(the session wraps it before it serves data)")
+        if isinstance(dataloader, DataLoader) and type(dataloader.sampler) is RandomSampler:
+            loader = training_loader(self.session, dataloader)
+            self._apply_pending()
+            return loader
+        return evaluation_loader(dataloader, self.global_rank, self.world_size, None)
+
+    def backward(self, tensor, module, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs:
+            raise ConfigError(f"fabric.backward(loss, {args or ''}{kwargs or ''}): extra arguments are not supported by "
+                              "OmniLearnFabricStrategy (Session.backward takes the loss only); drop them")
+        self.precision.pre_backward(tensor, module)
+        self.session.backward(tensor)
+        self.precision.post_backward(tensor, module)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, **kwargs)
+        lr = optimizer.param_groups[0].get("lr") if hasattr(optimizer, "param_groups") else None
+        self.session.step(lr=float(lr) if lr is not None else None)
+        return out
+
+    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict | None = None) -> None:
+        """Every rank calls it (``fabric.save``): the session's state, every rank's part, on rank 0."""
+        if self.session is not None and self.session.loader is not None:
+            if not self.session.interval_ended:
+                self.session.sync_buffers()
+            state = {**state, STATE_KEY: gathered_state(self.session)}
+        super().save_checkpoint(path, state, storage_options, filter)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict:
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        if state and STATE_KEY in remainder:
+            self._pending = remainder.pop(STATE_KEY)
+            if self.session is not None and self.session.loader is not None:
+                self._apply_pending()
+        return remainder
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None:
+            self.session.load_state_dict(self._pending)  # after wrap_model and data_loader, before iterating
+            self._pending = None
