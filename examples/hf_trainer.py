@@ -8,9 +8,9 @@
 Nothing is downloaded: the model is built from a ``GPT2Config`` and the data
 is generated here (token sequences padded after a random length, labels
 ``-100`` there: Trainer's defaults count tokens, ``average_tokens_across_devices``).
-The plain Trainer script this starts from differs in 2 lines (marked
-``# OmniLearn``): the import, and ``Trainer(`` -> ``OmniLearnTrainer(``
-with ``omnilearn=dict(...)`` settings. ``--stop-at`` stops mid-epoch
+OmniLearn lines: 3 (marked ``# OmniLearn``): the import, ``Trainer(`` ->
+``OmniLearnTrainer(``, and its ``omnilearn=dict(...)`` settings (the line
+may be left out: the defaults balance with Trainer's batch). ``--stop-at`` stops mid-epoch
 (a callback) so that ``--resume`` can show the data continuing.
 """
 

@@ -19,7 +19,7 @@ at the first control interval (the test checks it did).
 - Refusals: ``fp16``, ``ignore_data_skip`` and a checkpoint without session
   state each raise one line.
 
-Run: ``python -m pytest -q tests/dist/test_hf_exact.py`` (about 40 s on 2 cores).
+Run: ``python -m pytest -q tests/dist/test_hf_exact.py`` (about 30 s on 2 cores).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   checkpoint holds the session) and resumed to step 30 ends with the
   uninterrupted run's eval loss: the data continued where it stopped.
 
-Run: ``python -m pytest -q tests/examples/test_hf_trainer.py`` (about 40 s on 2 cores).
+Run: ``python -m pytest -q tests/examples/test_hf_trainer.py`` (about 30 s on 2 cores).
 """
 
 from __future__ import annotations
