@@ -189,19 +189,19 @@ def _three_ranks(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(worker, world: int, out: Path, scripted: str) -> list[dict]:
+def spawn(worker, world: int, out: Path, scripted: str, prefix: str) -> list[dict]:
+    """``worker(rank, store, out)`` on ``world`` gloo ranks fed ``scripted`` timings; each rank's ``<prefix><rank>.pt``."""
     with pytest.MonkeyPatch.context() as m:
         m.setenv(SCRIPTED_ENV, scripted)  # the spawned workers inherit it
         mp.start_processes(worker, args=(str(out / f"store{world}"), str(out)), nprocs=world, start_method="spawn")
-    name = "two" if world == 2 else "three"
-    return [torch.load(out / f"{name}{r}.pt", weights_only=True) for r in range(world)]
+    return [torch.load(out / f"{prefix}{r}.pt", weights_only=True) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lightning_exact")
-    two = _spawn(_two_ranks, 2, out, "0.0001,0.0003")  # as speeds 3,1
-    three = _spawn(_three_ranks, 3, out, "0.00025,0.0005,0.001")  # as speeds 4,2,1
+    two = spawn(_two_ranks, 2, out, "0.0001,0.0003", "two")  # as speeds 3,1
+    three = spawn(_three_ranks, 3, out, "0.00025,0.0005,0.001", "three")  # as speeds 4,2,1
     return {"two": two, "three": three, "ck": out / "ck"}
 
 

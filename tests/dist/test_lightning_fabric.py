@@ -24,18 +24,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from omnilearn.decisions import SCRIPTED_ENV
 
 pytest.importorskip("lightning.fabric")
 from lightning.fabric import Fabric  # noqa: E402
 
 from omnilearn.integrations.lightning_fabric import OmniLearnFabricStrategy  # noqa: E402
 from test_lightning_exact import (EXACT_F64, GLOBAL_BATCH, K, LR, STEPS, _join, data, diff,  # noqa: E402
-                                  fresh_port, mlp, reference)  # noqa: F401  (fresh_port: autouse)
+                                  fresh_port, mlp, reference, spawn)  # noqa: F401  (fresh_port: autouse)
 
 pytestmark = pytest.mark.dist
 
@@ -90,10 +88,7 @@ def _two_ranks(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric")
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv(SCRIPTED_ENV, "0.0001,0.0003")  # as speeds 3,1
-        mp.start_processes(_two_ranks, args=(str(out / "store"), str(out)), nprocs=2, start_method="spawn")
-    return out, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return out, spawn(_two_ranks, 2, out, "0.0001,0.0003", "rank")  # as speeds 3,1
 
 
 def test_fabric_loop_two_heterogeneous_ranks_and_one_process_equal_plain_sgd(two_ranks):

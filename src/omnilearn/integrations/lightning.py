@@ -50,6 +50,7 @@ tests/examples/test_lightning_example.py``
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 try:
@@ -200,8 +201,6 @@ class OmniLearnStrategy(DDPStrategy):
 
     def block_backward_sync(self):
         """The session decides which micro-batch syncs (``model.no_sync()`` is refused on an OmniLearn model)."""
-        from contextlib import nullcontext
-
         return nullcontext()
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
