@@ -4,10 +4,11 @@ Run 1 (40 steps, ``accumulate_grad_batches=2``, validation every 20 steps,
 a checkpoint every 20): it rebalances toward the fast worker, its loss
 falls, the per-worker batches reach Lightning's logger, validation metrics
 come out. Run 2 resumes from the step-40 checkpoint (mid-epoch: 32 steps per
-epoch) to step 60: its record starts at step 40 with a ``resume`` event, the
-split the controller had learned and the loss where run 1 left it.
+epoch) to step 60 into the same run directory: the record goes on from step
+40 after a ``resume`` event (steps 0..59, none twice), with the split the
+controller had learned and the loss where run 1 left it.
 
-Run: ``python -m pytest -q tests/examples/test_lightning_example.py`` (about 45 s)
+Run: ``python -m pytest -q tests/examples/test_lightning_example.py`` (about 30 s)
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ pytestmark = pytest.mark.dist
 
 
 def test_lightning_example_rebalances_learns_validates_and_resumes(tmp_path):
-    first, second, ck = tmp_path / "run1", tmp_path / "run2", tmp_path / "ck"
-    common = ["--speeds", "3,1", "--accumulate", "2"]
-    done = torchrun("lightning_example.py", *common, "--max-steps", "40", "--ckpt-dir", str(ck), "--out", str(first),
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    common = ["--speeds", "3,1", "--accumulate", "2", "--out", str(out)]
+    done = torchrun("lightning_example.py", *common, "--max-steps", "40", "--ckpt-dir", str(ck),
                     "--csv-dir", str(tmp_path / "logs1"), env=scripted_timings("3,1"))
-    assert_balanced_and_learning(first)
+    assert_balanced_and_learning(out)
+    before = load_run(out)
     assert "global_step 40, " in done.stdout and "val_loss" in done.stdout, done.stdout
     rows = list(csv.DictReader((tmp_path / "logs1" / "example" / "version_0" / "metrics.csv").open()))
     fast = [float(r["omnilearn/batch_rank0"]) for r in rows if r.get("omnilearn/batch_rank0")]
@@ -39,13 +41,13 @@ def test_lightning_example_rebalances_learns_validates_and_resumes(tmp_path):
     assert any(r.get("val_loss") for r in rows)
 
     done = torchrun("lightning_example.py", *common, "--max-steps", "60", "--resume", str(ck / "step=40.ckpt"),
-                    "--out", str(second), "--csv-dir", str(tmp_path / "logs2"), env=scripted_timings("3,1"))
+                    "--csv-dir", str(tmp_path / "logs2"), env=scripted_timings("3,1"))
     assert "global_step 60, " in done.stdout, done.stdout
-    resumed, before = load_run(second), load_run(first)
-    assert resumed.steps[0] == 40 and resumed.steps[-1] == 59, (resumed.steps[:3], resumed.steps[-1:])
-    assert [e["step"] for e in read_metrics(second, "resume")] == [40]
-    batches = resumed.per_rank["batch"]
-    assert batches[0][0] > batches[1][0], "the resumed run did not keep the split the controller had learned"
-    head = [x for x in resumed.loss_by_step[:5] if not math.isnan(x)]
+    run = load_run(out)
+    assert run.steps == list(range(60)), (run.steps[:3], run.steps[-3:])
+    assert [e["step"] for e in read_metrics(out, "resume")] == [40]
+    batches = run.per_rank["batch"]
+    assert batches[0][40] > batches[1][40], "the resumed run did not keep the split the controller had learned"
+    head = [x for x in run.loss_by_step[40:45] if not math.isnan(x)]
     start = [x for x in before.loss_by_step[:5] if not math.isnan(x)]
     assert head and sum(head) / len(head) < 0.5 * sum(start) / len(start), (head, start)

@@ -32,8 +32,9 @@ Lightning's DDP strategy with an OmniLearn session inside, one per ``fit()``
 - ``on_train_end``: ``Session.finish()`` (``strategy.summary`` on rank 0;
   with ``out=``, the run directory); teardown releases the wrapped model;
 - a second ``fit()`` on the same Trainer continues the run (its session
-  loads the previous one's state; the run directory is rewritten); a new
-  Trainer starts afresh.
+  loads the previous one's state); a new Trainer starts afresh. A fit that
+  continues a run (a checkpoint, or the previous fit) appends to the run
+  directory ``out`` already holds, as ``omnilearn train --resume`` does.
 
 Refused in one line (:mod:`omnilearn.integrations.lightning_options`): DDP
 comm hooks and model averaging, buffer broadcasting, ``total_steps`` /
@@ -51,6 +52,7 @@ tests/examples/test_lightning_example.py``
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 try:
@@ -109,7 +111,6 @@ class OmniLearnStrategy(DDPStrategy):
         self.summary: dict | None = None
         self._resume_state: dict | None = None  # the session state of the checkpoint fit(ckpt_path=) loads
         self._last_state: dict | None = None  # the previous fit's session state (a second fit continues it)
-        self._fits = 0
         self._carry: dict | None = None  # the state the next training loader's session loads
         self._paused = None
 
@@ -126,14 +127,14 @@ class OmniLearnStrategy(DDPStrategy):
         carry, self._resume_state = self._resume_state, None
         if carry is None and trainer.global_step > 0:
             carry = self._last_state  # a second fit on this Trainer continues the run (checked at train start)
-        settings = dict(self.settings)
-        if self._fits and settings.get("out") is not None:
-            settings["overwrite"] = True  # this strategy's own run directory, continued
+        settings, run_dir = continued_run(self.settings, carry)
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         device = "cuda" if self.root_device.type == "cuda" else "cpu"
         self.session = omnilearn.setup(total_steps=steps, device=device,
                                        accumulation_steps=trainer.accumulate_grad_batches, **settings)
-        self._carry, self._fits, self.summary = carry, self._fits + 1, None
+        if run_dir is not None and self.session.is_main:
+            self.session.run_dir = run_dir  # rank 0's record appends there (a ``resume`` event first)
+        self._carry, self.summary = carry, None
         if not any(isinstance(c, _BatchLogger) and c.strategy is self for c in trainer.callbacks):
             trainer.callbacks.append(_BatchLogger(self))
 
@@ -245,6 +246,19 @@ class OmniLearnStrategy(DDPStrategy):
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._resume_state = checkpoint.get(STATE_KEY)
         return checkpoint
+
+
+def continued_run(settings: dict[str, Any], carry: dict | None) -> tuple[dict[str, Any], Path | None]:
+    """(``omnilearn.setup()`` keywords, the run directory to append to): a fit that continues a run keeps its record.
+
+    Like ``omnilearn train --resume``: when the session loads a previous state (a checkpoint, or the previous fit)
+    and ``out`` already holds a run, the record goes on in it (steps from the resume on; a ``resume`` event voids
+    any later records) instead of ``out`` being prepared anew, which would delete it.
+    """
+    out = settings.get("out")
+    if carry is None or out is None or not (Path(out) / "config.toml").is_file():
+        return dict(settings), None
+    return {k: v for k, v in settings.items() if k not in ("out", "overwrite")}, Path(out)
 
 
 def gathered_state(session: Any) -> dict:
