@@ -1,4 +1,5 @@
-"""Small datasets shared by the accumulation, memory and GPU tests (importable: tests/ is on sys.path)."""
+"""Small datasets shared by the accumulation, memory, FSDP and GPU tests, and the one-process reference run that
+the exactness tests compare with (importable: tests/ is on sys.path)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,18 @@ class PairData(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         return self.x[i], self.y[i]
+
+
+def reference(model: torch.nn.Module, data, loss_fn, global_batch: int, steps: int,
+              momentum: float = 0.0) -> dict[str, torch.Tensor]:
+    """One process, no OmniLearn: SGD (lr 0.1) on the global batches of the loader's plan (seed 0); the weights."""
+    from omnilearn.data.plan import GlobalPlan
+
+    plan = GlobalPlan(len(data), global_batch, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    for step in range(steps):
+        idx = plan.step_indices(step)
+        opt.zero_grad()
+        loss_fn(model, data.x[idx], data.y[idx]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -18,21 +18,29 @@ import time
 
 class HostClock:
     def __init__(self) -> None:
-        self.start_s = self.start_cpu_s = self.delay_s = 0.0
+        self.start_s = self.start_cpu_s = self.delay_s = self.blocked_s = self.blocked_cpu_s = 0.0
 
     def start(self) -> None:
         """A step begins: both clocks start, no delay yet."""
         self.start_s, self.start_cpu_s = time.perf_counter(), time.process_time()
-        self.delay_s = 0.0
+        self.delay_s = self.blocked_s = self.blocked_cpu_s = 0.0
 
     def host_native_s(self, cpu_time: bool) -> float:
         """This step's compute so far: process CPU time (``cpu_time``: one compute thread), else wall time."""
         if cpu_time:
-            return time.process_time() - self.start_cpu_s
-        return time.perf_counter() - self.start_s
+            return time.process_time() - self.start_cpu_s - self.blocked_cpu_s
+        return time.perf_counter() - self.start_s - self.blocked_s
 
     def elapsed_s(self) -> float:
-        return time.perf_counter() - self.start_s
+        """Wall time since the step began, less the time blocked in collectives (:meth:`add_blocked`)."""
+        return time.perf_counter() - self.start_s - self.blocked_s
+
+    def add_blocked(self, blocked_s: float, cpu_s: float = 0.0) -> None:
+        """This step waited ``blocked_s`` (wall) in a collective inside its compute (FSDP's all-gathers and
+        reduce-scatters), the process using ``cpu_s`` of CPU meanwhile (the backend's threads moving the
+        bytes): not compute, so neither the native compute nor the emulator counts either."""
+        self.blocked_s += blocked_s
+        self.blocked_cpu_s += cpu_s
 
     def add_delay(self, delay_s: float) -> None:
         """An emulator slept ``delay_s`` inside this step's compute."""

@@ -9,7 +9,8 @@ gradient bucket is ready (its own compute is done) and ``mark_reduced()``
 when a bucket's all-reduce has finished (from a communication thread, hence
 the lock). Per step::
 
-    wait_s    = last reduction finished - local gradients ready
+    wait_s    = last reduction finished - local gradients ready   (DDP)
+              + time blocked in collectives                      (FSDP: add_blocked, add_stall)
     compute_s = step_s - wait_s            (forward, backward, optimizer, data)
 
 On CPU the clocks are the host's. On CUDA the marks are CUDA events on the
@@ -56,6 +57,7 @@ class StepTimer(HostClock):
         self.pending: list[tuple] = []
         self.ready_s = self.reduced_s = 0.0
         self._events: dict[str, torch.cuda.Event] = {}
+        self._stalls: list[tuple] = []
         self.open = False
 
     def _event(self) -> "torch.cuda.Event":
@@ -69,6 +71,7 @@ class StepTimer(HostClock):
             self.start()
             self.ready_s = self.reduced_s = 0.0
             self._events = {"start": self._event()} if self.cuda else {}
+            self._stalls: list[tuple] = []
             self.open = True
 
     def native_compute_s(self) -> float:
@@ -96,6 +99,11 @@ class StepTimer(HostClock):
                 return
             self.reduced_s = max(self.reduced_s, time.perf_counter())
 
+    def add_stall(self, start: "torch.cuda.Event", end: "torch.cuda.Event") -> None:
+        """CUDA: the compute stream stalled between these two events (waiting for a collective: FSDP)."""
+        with self._lock:
+            self._stalls.append((start, end))
+
     def end(self) -> None:
         """The step is over (after the optimizer): queue its times for :meth:`collect`."""
         with self._lock:
@@ -104,10 +112,11 @@ class StepTimer(HostClock):
             self.open = False
             if self.cuda:
                 self._events["end"] = self._event()
-                self.pending.append(("cuda", dict(self._events), self.delay_s))
+                self.pending.append(("cuda", {**self._events, "stalls": self._stalls}, self.delay_s))
             else:
                 step_s = time.perf_counter() - self.start_s
                 wait_s = max(0.0, self.reduced_s - self.ready_s) if self.ready_s else 0.0
+                wait_s = min(step_s, wait_s + self.blocked_s)
                 self.pending.append(("cpu", StepTimes(step_s - wait_s, wait_s, step_s, self.delay_s)))
 
     def collect(self) -> list[StepTimes]:
@@ -128,4 +137,5 @@ def _cuda_times(events: dict, delay_s: float) -> StepTimes:
     wait_s = 0.0
     if "ready" in events and "reduced" in events:
         wait_s = max(0.0, events["ready"].elapsed_time(events["reduced"]) / 1e3)
+    wait_s = min(step_s, wait_s + sum(max(0.0, a.elapsed_time(b) / 1e3) for a, b in events.get("stalls", ())))
     return StepTimes(step_s - wait_s, wait_s, step_s, delay_s)

@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import omnilearn
-from omnilearn.data.plan import GlobalPlan
 from omnilearn.decisions import SCRIPTED_ENV
-from tokendata import PAD, PairData, TokenData
+from tokendata import PAD, PairData, TokenData, reference
 
 pytestmark = pytest.mark.dist
 
@@ -57,18 +56,6 @@ def pair_loss(model, x, y):
 
 def token_loss(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=PAD)  # mean over real tokens
-
-
-def reference(model: nn.Module, data, loss_fn, global_batch: int, steps: int) -> dict[str, torch.Tensor]:
-    """One process, no OmniLearn: SGD on the plan's global batches."""
-    plan = GlobalPlan(len(data), global_batch, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
-        idx = plan.step_indices(step)
-        opt.zero_grad()
-        loss_fn(model, data.x[idx], data.y[idx]).backward()
-        opt.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def run(ol, model, loader, loss_fn, steps: int, counted: bool, change_at: int | None = None) -> None:

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from omnilearn.bsp import sharded
 from omnilearn.bsp.rng import load_rng_state, rank_seed, rng_state, seed_rank
 from omnilearn.checkpoint import CheckpointError, CheckpointStore
 from omnilearn.distributed.collect import broadcast_bytes, broadcast_chunks, gather_bytes
@@ -107,10 +108,27 @@ def save(session: Session, directory: str | Path, objects: dict[str, Any], *, ke
     return path
 
 
+def save_with_shards(session: Session, directory: str | Path, objects: dict[str, Any], *, keep: int = 3,
+                     extra: dict | None = None) -> Path | None:
+    """A sharded (FSDP2) model: its and the optimizer's shards through DCP, then :func:`save` of the rest.
+
+    ``step-<n>.pt`` (the session, scheduler, ``extra``) is written after every rank's shards, so it marks a
+    complete checkpoint; rank 0 then removes shard directories without one (pruned, or cut).
+    """
+    model, optimizer = objects["model"], objects.get("optimizer")
+    sharded.save_sharded(model, optimizer, directory, session.next_step)
+    rest = {name: obj for name, obj in objects.items() if name not in ("model", "optimizer")}
+    path = save(session, directory, rest, keep=keep, extra=extra, meta={"sharded": True})
+    if session.is_main:
+        sharded.sweep_sharded(directory)
+    return path
+
+
 def load(session: Session, directory: str | Path, objects: dict[str, Any]) -> dict | None:
     """Load the newest checkpoint into the session and ``objects``; its ``extra`` dict, or None when there is none.
 
-    :class:`CheckpointError` on every rank when the directory holds checkpoints and none can be used.
+    :class:`CheckpointError` on every rank when the directory holds checkpoints and none can be used. A
+    sharded model (FSDP2) and its optimizer load from the checkpoint's shard directory, at any world size.
     """
     found = fetch_latest(session.ctx, CheckpointStore(directory))
     if found is None:
@@ -118,6 +136,14 @@ def load(session: Session, directory: str | Path, objects: dict[str, Any]) -> di
     path, data = found
     state = CheckpointStore.decode(data, path)  # every rank, once, on the CPU; the same error everywhere
     del found, data  # the file's bytes go before the state is copied into the model
+    if sharded.is_sharded(objects.get("model")):
+        step = int(path.stem.split("-")[1])
+        if not sharded.dcp_dir(path.parent, step).is_dir():
+            raise CheckpointError(f"{path} has no shard directory {sharded.dcp_dir(path.parent, step).name} beside "
+                                  "it: it was saved without a sharded model (load it without model=, or into an "
+                                  "unsharded model)")
+        sharded.load_sharded(objects["model"], objects.get("optimizer"), path.parent, step)
+        objects = {name: obj for name, obj in objects.items() if name not in ("model", "optimizer")}
     return _apply(session, state, objects)
 
 

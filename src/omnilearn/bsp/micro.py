@@ -34,7 +34,9 @@ numbers of micro-batches in one step: each syncs once, on its last.
 DDP decides at *forward* time whether the next backward syncs, so the
 session sets ``require_backward_grad_sync`` before each micro-batch's
 forward: off after a step starts (k > 1), on once ``k - 1`` backwards are
-done. After each non-syncing backward the delay emulator may sleep (a slow
+done. A sharded model (FSDP2, :mod:`omnilearn.bsp.sharded`) is told the
+same through ``set_requires_gradient_sync``; its weighted reduce-scatter
+applies the hook's weight. After each non-syncing backward the delay emulator may sleep (a slow
 worker is slow on every micro-batch); the syncing one sleeps in the hook.
 
 Run: ``python -m pytest -q tests/dist/test_accumulation.py``
@@ -48,6 +50,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from omnilearn.bsp import sharded
 from omnilearn.data.plan import micro_sizes
 from omnilearn.distributed.hooks import HookState
 
@@ -62,6 +65,7 @@ class MicroSteps:
         self.sum_counts = sum_counts  # all-reduce over DDP's group (identity for one process)
         self.after_local_backward = after_local_backward  # the delay emulator
         self.model: nn.Module | None = None
+        self.reduced = False  # whether the model's reduction applies hook.weight (DDP, or FSDP2 on several ranks)
         self.begin(global_batch)
 
     def begin(self, batch: int) -> None:
@@ -81,7 +85,9 @@ class MicroSteps:
         self._sync_next_forward(len(self.sizes) == 1)
 
     def syncing(self) -> bool:
-        """Whether the next (or current) backward all-reduces the gradients (DDP, the step's last micro-batch)."""
+        """Whether the next (or current) backward reduces the gradients (DDP or FSDP2, the step's last micro-batch)."""
+        if sharded.is_sharded(self.model):
+            return self.done == len(self.sizes) - 1
         return isinstance(self.model, DDP) and bool(self.model.require_backward_grad_sync)
 
     def _calls(self) -> str:
@@ -92,6 +98,8 @@ class MicroSteps:
     def _sync_next_forward(self, sync: bool) -> None:
         if isinstance(self.model, DDP):
             self.model.require_backward_grad_sync = sync
+        elif sharded.is_sharded(self.model):
+            sharded.set_gradient_sync(self.model, sync)
 
     def backward(self, loss: torch.Tensor, count: int | float | torch.Tensor | None = None) -> None:
         """Back-propagate micro-batch ``done``'s mean ``loss`` with its weight (see the module docstring)."""
@@ -105,7 +113,7 @@ class MicroSteps:
         else:
             scale = self._count_scale(j, count, loss, last)
         (loss if isinstance(scale, float) and scale == 1.0 else loss * scale).backward()
-        if self.counts is not None and last and not isinstance(self.model, DDP):
+        if self.counts is not None and last and not self.reduced:
             self._rescale_local_grads()
         self.done += 1
         part = loss.detach() * (scale if self.counts is None else self.counts[-1])
@@ -134,7 +142,8 @@ class MicroSteps:
             raise RuntimeError("ol.backward(loss, count=...) needs the model: call ol.wrap_model() first")
         for p in self.model.parameters():
             if p.grad is not None:
-                p.grad.mul_(self.hook.weight.to(p.grad.device, p.grad.dtype))
+                p.grad.mul_(self.hook.weight.to(p.grad.device, p.grad.dtype).item() if sharded.is_sharded(self.model)
+                            else self.hook.weight.to(p.grad.device, p.grad.dtype))
 
     def finish(self) -> torch.Tensor | None:
         """The step ends: check every micro-batch was back-propagated; the step's weighted loss (or None)."""

@@ -83,7 +83,7 @@ from omnilearn.bsp import checkpointing
 from omnilearn.bsp.interval import SYNC_BUFFERS, agree_on_data, check_same_settings, meet
 from omnilearn.bsp.steppers import IntervalEnds, MemorySteps
 from omnilearn.bsp.emulate import Emulation
-from omnilearn.bsp import memory
+from omnilearn.bsp import memory, sharded
 from omnilearn.bsp.micro import MicroSteps
 from omnilearn.bsp.rng import rank_seed, seed_rank
 from omnilearn.bsp.steps import StepLedger
@@ -183,13 +183,31 @@ class Session(MemorySteps, IntervalEnds):
         """
         if self.model is not None:
             raise RuntimeError("wrap_model() was already called: one model per session")
-        self.model = self.micro.model = wrap(model, self.device, self.ctx.grouped, self.hook, **ddp_kwargs)
+        sharded.refuse_unbalanced(model, self.world_size)
+        if sharded.is_sharded(model):
+            self.model = self._adopt_sharded(model, ddp_kwargs)
+        else:
+            self.model = wrap(model, self.device, self.ctx.grouped, self.hook, **ddp_kwargs)
+        # FSDP2 on one rank copies instead of reduce-scattering: the weight is applied to the gradients then
+        self.micro.model = self.model
+        self.micro.reduced = self.ctx.grouped and (self.world_size > 1 or not sharded.is_sharded(self.model))
         emulated = memory.fault_oom_samples(self.rank)
         if emulated is not None:
             memory.emulate_oom(self.model, emulated)
         if not self.rng_restored:
             seed_rank(self.cfg.seed, self.rank)
         return self.model
+
+    def _adopt_sharded(self, model: nn.Module, ddp_kwargs: dict) -> nn.Module:
+        """An FSDP2 model as the user sharded it, its reductions weighted and timed (:mod:`omnilearn.bsp.sharded`)."""
+        if ddp_kwargs:
+            raise TypeError(f"ol.wrap_model(): DDP keyword arguments {sorted(ddp_kwargs)} for a model sharded with "
+                            "fully_shard (not wrapped in DDP): set them in fully_shard() instead")
+        if self.cfg.max_batch == AUTO:
+            raise ConfigError('max_batch="auto" is not supported with FSDP2 (sharded memory is not probed): give '
+                              "max_batch=<samples> (one cap, or one per worker); a share above it runs as micro-batches")
+        return sharded.prepare(model, weight=lambda: self.hook.weight, before=lambda: self.emulator.before_sync(),
+                               blocked=self.timer.add_blocked, stall=self.timer.add_stall, device=self.device)
 
     def data_loader(self, dataset, *, num_workers: int = 0, collate_fn=None, pin_memory: bool | None = None,
                     prefetch_factor: int | None = None) -> BalancedLoader:
@@ -406,6 +424,8 @@ class Session(MemorySteps, IntervalEnds):
         """
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
         with self.paused():
+            if sharded.is_sharded(model):  # FSDP2: shards through DCP first, then the commit mark
+                return checkpointing.save_with_shards(self, directory, objects, keep=keep, extra=extra)
             return checkpointing.save(self, directory, objects, keep=keep, extra=extra)
 
     def load_checkpoint(self, directory: str | Path, *, model: nn.Module | None = None, optimizer=None,
@@ -422,7 +442,7 @@ class Session(MemorySteps, IntervalEnds):
         :attr:`checkpoint_extra`.
         """
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
-        extra = checkpointing.load(self, directory, objects)
+        extra = checkpointing.load(self, directory, objects)  # FSDP2: from the shards (DCP reshards)
         self.checkpoint_extra = extra or {}
         return extra is not None
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from omnilearn.bsp import memory
+from omnilearn.bsp import memory, sharded
 from omnilearn.bsp.interval import check_window, end_window
 from omnilearn.bsp.steps import ROW_FIELDS
 from omnilearn.distributed.collect import gather_to_main
@@ -47,6 +47,10 @@ class MemorySteps:
         if cap is None or max(planned) <= cap:
             self.micro.split(planned)
             return parts
+        if sharded.is_sharded(self.model):  # each forward all-gathers: every rank must run as many micro-batches
+            raise RuntimeError(f"rank {self.rank}, step {self.ledger.open}: a share of {sum(planned)} samples is "
+                               f"above this rank's max_batch={cap}; with FSDP2 shares are kept within the caps by "
+                               "the planner and are not split further (a plan set by hand must respect max_batch)")
         out = [p for part, m in zip(parts, planned) for p in memory.split_batch(part, memory.split_sizes([m], cap))]
         self.micro.split(memory.split_sizes(planned, cap))
         return out
@@ -77,6 +81,10 @@ class MemorySteps:
             if failure is None:
                 resets.step_done()
                 return
+            if sharded.is_sharded(self.model):  # peers wait in this step's collectives: no redo
+                raise RuntimeError(f"rank {self.rank}, step {self.ledger.open}: out of memory with a {failure.size}-"
+                                   "sample micro-batch; out-of-memory recovery is not supported with FSDP2: set "
+                                   "max_batch=<samples> below it (a share above the cap runs as micro-batches)")
             memory.clear_grads(params, had_grad)
             resets.after(failure)
             memory.free_memory(self.device)

@@ -1,0 +1,264 @@
+"""Sharded data parallel (FSDP2): a model the user shards with ``fully_shard`` is balanced as it is.
+
+    model = Transformer(...)
+    for block in model.layers:
+        fully_shard(block)                        # the usual way: per block, then the root
+    fully_shard(model)
+    model = ol.wrap_model(model)                  # recognised: not wrapped in DDP
+
+Why ``ol.wrap_model`` recognises an ``FSDPModule`` instead of a ``shard=``
+route: a torchtitan-style script shards with its own plan (which blocks,
+``reshard_after_forward``, ``MixedPrecisionPolicy``, offload); OmniLearn
+must not choose any of that, only weight the gradients, time the steps and
+save the state. So the user shards, and ``wrap_model`` adapts what it is
+given (:func:`prepare`) or refuses it (:func:`refuse_unbalanced`).
+
+Weighting. FSDP2 reduce-scatters each unit's gradients and by default
+averages them over the world size. :func:`prepare` sets every unit's divide
+factor to 1 and its reduce-scatter to :class:`WeightedReduceScatter`: the
+unit's local gradients (a flat buffer, in the reduce dtype) are multiplied
+by this rank's weight ``b_i / B`` (``count_i / sum(count)`` for token
+losses: a 0-dim device tensor, no host sync) and SUM-reduce-scattered. The
+sharded gradient is then ``sum_i w_i g_i``, exactly the DDP path's.
+Accumulation: ``set_requires_gradient_sync(False)`` until the step's last
+micro-batch (FSDP2 accumulates unsharded gradients meanwhile), set by
+:mod:`omnilearn.bsp.micro` as for DDP.
+
+Timing. With FSDP the waits on slower peers are spread through forward
+and backward: every all-gather (forward, and backward's re-gathers) and
+every reduce-scatter. "Compute" is the step's time minus the time this rank
+was blocked in them (:meth:`~omnilearn.hostclock.HostClock.add_blocked`):
+
+- CPU (gloo): each collective call is timed on the host (a synchronous call
+  blocks until every peer joined), and so is each unit's
+  ``wait_for_unshard`` (where an asynchronous, prefetched all-gather is
+  waited for); the process CPU time spent meanwhile (gloo's threads moving
+  the bytes) is left out of the native compute the emulator multiplies;
+- CUDA: the host does not block; the compute stream does, in
+  ``wait_for_unshard`` (all-gathers) and ``finalize_backward`` (the end of
+  backward waits for the reduce-scatters). CUDA events on the compute stream
+  before and after each are the stall, resolved with the step's other
+  events at the interval's end (no host sync per step).
+
+The delay emulator tops up a slow worker's time before each collective
+(so a slow worker is slow all through forward and backward, and its
+peers wait for it in the next collective, as with a slow machine).
+
+Refused, in one line naming the supported route: FSDP1
+(``FullyShardedDataParallel``), a model already in DDP, DeepSpeed engines,
+tensor or pipeline parallel (parameters sharded on a mesh of more than one
+dimension or not by ``fully_shard``), HSDP, a sharded model with parameters
+``fully_shard`` does not manage, and with FSDP2: out-of-memory recovery and
+``max_batch="auto"`` (a fixed ``max_batch`` runs a share above it as
+micro-batches, exactly).
+
+Checkpoints (:func:`save_sharded`, :func:`load_sharded`): the model and
+optimizer through ``torch.distributed.checkpoint`` (each rank writes its
+shards into ``step-<n>.dcp/`` beside ``step-<n>.pt``; DCP reshards on load, so a run resumes at
+another world size), then the session's state (and scheduler, ``extra``)
+in ``step-<n>.pt`` through the usual checksummed store: that file is the
+commit mark, written only after every rank's shards were written.
+
+Run: ``python -m pytest -q tests/dist/test_fsdp.py``
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from omnilearn.checkpoint import CheckpointError
+
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - older torch
+    FSDPModule = None  # type: ignore[assignment,misc]
+
+# torch 2.13 renamed them (the old names warn); the same collectives
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+ROUTE = ("shard it with torch.distributed.fsdp.fully_shard (FSDP2) and pass the FSDPModule to ol.wrap_model(), or "
+         "pass the plain module (ol.wrap_model wraps it in DDP)")
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return FSDPModule is not None and isinstance(model, FSDPModule)
+
+
+def refuse_unbalanced(model: nn.Module, world_size: int) -> None:
+    """Raise one line naming what OmniLearn cannot balance in ``model`` and the supported route; else nothing."""
+    kind = type(model).__name__
+    if isinstance(model, DDP):
+        raise TypeError(f"ol.wrap_model() got a model already wrapped in {kind}: pass the plain module "
+                        "(ol.wrap_model wraps it in DDP with the weighted gradient hook)")
+    if _is_fsdp1(model):
+        raise TypeError(f"ol.wrap_model() got an FSDP1 model ({kind}), which OmniLearn cannot balance: {ROUTE}")
+    if "deepspeed" in type(model).__module__.lower() or kind == "DeepSpeedEngine":
+        raise TypeError(f"ol.wrap_model() got a DeepSpeed engine ({kind}), which OmniLearn cannot balance: {ROUTE}")
+    meshes = {_mesh_shape(p) for p in model.parameters()}
+    meshes.discard(None)
+    if not is_sharded(model):
+        if meshes:
+            raise TypeError(f"ol.wrap_model() got a model with DTensor parameters (mesh {sorted(meshes)[0]}) not "
+                            f"sharded by fully_shard at its root (tensor/pipeline parallel?), which OmniLearn cannot "
+                            f"balance: {ROUTE}, calling fully_shard on the root module last")
+        return
+    plain = [n for n, p in model.named_parameters() if _mesh_shape(p) is None]
+    if plain:
+        raise TypeError(f"ol.wrap_model(): parameter {plain[0]!r} of the sharded model is not managed by fully_shard "
+                        f"(its gradient would never be reduced): call fully_shard on the root module last")
+    if any(len(shape) != 1 for shape in meshes) or meshes != {(world_size,)}:
+        raise TypeError(f"ol.wrap_model(): a sharded model on a device mesh of shape {sorted(meshes)[0]} (HSDP, "
+                        f"tensor or pipeline parallel) cannot be balanced: shard over one dimension of all "
+                        f"{world_size} ranks (fully_shard's default mesh)")
+
+
+def _is_fsdp1(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def _mesh_shape(p: torch.Tensor) -> tuple[int, ...] | None:
+    mesh = getattr(p, "device_mesh", None)
+    return tuple(mesh.shape) if mesh is not None else None
+
+
+class _Timed:
+    """What a comm needs from the session: the emulator to run before, the timer to add blocked time to."""
+
+    def __init__(self, before: Callable[[], object], blocked: Callable[[float, float], None], cuda: bool) -> None:
+        self.before, self.blocked, self.cuda = before, blocked, cuda
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def timed(self, call: Callable[[], Any]) -> Any:
+        self.before()
+        if self.cuda:  # the host does not wait; the compute stream's stalls are timed in the unit's waits
+            return call()
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            return call()
+        finally:
+            self.blocked(time.perf_counter() - start, time.process_time() - cpu)
+
+
+class WeightedReduceScatter(_Timed):
+    """FSDP2's reduce-scatter with this rank's weight applied first and a SUM (see the module docstring)."""
+
+    def __init__(self, weight: Callable[[], Any], *args) -> None:
+        super().__init__(*args)
+        self.weight = weight
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any = None, async_op: bool = False):
+        weight = self.weight()
+        if torch.is_tensor(weight):
+            input_tensor.mul_(weight.to(input_tensor.dtype))
+        elif weight != 1.0:
+            input_tensor.mul_(weight)
+        return self.timed(lambda: _REDUCE_SCATTER(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group,
+                                                  async_op=async_op))
+
+
+class TimedAllGather(_Timed):
+    """FSDP2's all-gather, timed (a prefetched, asynchronous one is timed where it is waited for)."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        return self.timed(lambda: _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op))
+
+
+def prepare(model: nn.Module, weight: Callable[[], Any], before: Callable[[], object],
+            blocked: Callable[[float, float], None], stall: Callable[[Any, Any], None], device: torch.device) -> nn.Module:
+    """Make every FSDP unit of ``model`` reduce by weight and SUM, and time its collectives; returns ``model``."""
+    cuda = device.type == "cuda"
+    scatter = WeightedReduceScatter(weight, before, blocked, cuda)
+    gather = TimedAllGather(before, blocked, cuda)
+    for unit in model.modules():
+        if not is_sharded(unit):
+            continue
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_custom_reduce_scatter(scatter)
+        unit.set_custom_all_gather(gather)
+        for param_group in unit._get_fsdp_state()._fsdp_param_groups:
+            for name in ("wait_for_unshard", "finalize_backward"):
+                setattr(param_group, name, _timed_wait(getattr(param_group, name), blocked, stall, cuda))
+    return model
+
+
+def _timed_wait(wait: Callable[..., Any], blocked: Callable[[float, float], None], stall: Callable[[Any, Any], None],
+                cuda: bool) -> Callable[..., Any]:
+    """``wait`` (a unit's wait for its collectives), its blocking time added: host clock, or compute-stream events."""
+    def timed(*args, **kwargs):
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = wait(*args, **kwargs)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            stall(start, end)
+            return result
+        begin, cpu = time.perf_counter(), time.process_time()
+        try:
+            return wait(*args, **kwargs)
+        finally:
+            blocked(time.perf_counter() - begin, time.process_time() - cpu)
+    return timed
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """Whether the next backward reduce-scatters (the step's last micro-batch) or accumulates locally."""
+    model.set_requires_gradient_sync(sync)
+
+
+# ------------------------------------------------------------ checkpoints through torch.distributed.checkpoint
+def dcp_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:09d}.dcp"
+
+
+def save_sharded(model: nn.Module, optimizer, directory: str | Path, step: int) -> None:
+    """Every rank writes its shards of the model (and optimizer) into ``step-<step>.dcp`` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    target = dcp_dir(Path(directory), step)
+    model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
+    state = {"model": model_state} if optimizer is None else {"model": model_state, "optimizer": optim_state}
+    dcp.save(state, checkpoint_id=str(target))
+
+
+def load_sharded(model: nn.Module, optimizer, directory: str | Path, step: int) -> None:
+    """Load ``step-<step>.dcp`` into the sharded model (and optimizer), at any world size (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    source = dcp_dir(Path(directory), step)
+    model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
+    state = {"model": model_state} if optimizer is None else {"model": model_state, "optimizer": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=str(source))
+    except Exception as e:  # noqa: BLE001 - one line naming the directory, on every rank
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"the sharded checkpoint {source} cannot be loaded ({type(e).__name__}: {first}); "
+                              f"its step-{step}.pt is intact: restore the directory or remove both") from None
+    set_state_dict(model, [] if optimizer is None else optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state.get("optimizer", {}))
+
+
+def sweep_sharded(directory: str | Path) -> None:
+    """Rank 0: remove ``step-<n>.dcp`` directories whose ``step-<n>.pt`` is gone (pruned, or a cut save)."""
+    for path in Path(directory).glob("step-*.dcp"):
+        if not path.with_suffix(".pt").exists():
+            shutil.rmtree(path, ignore_errors=True)
