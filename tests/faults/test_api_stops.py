@@ -113,6 +113,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_after_a_final_checkpoi
 
 def test_setup_handles_sigterm_in_a_lone_process_and_leaves_ctrl_c_alone(handlers):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground shell (a background job ignores it)
     omnilearn.setup(global_batch=8, device="cpu", handle_signals=False)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     ol = omnilearn.setup(global_batch=8, device="cpu")
