@@ -1,4 +1,4 @@
-"""A PyTorch Lightning module trained with OmniLearn's strategy: validation, gradient accumulation, checkpoint and resume.
+"""A PyTorch Lightning module trained with OmniLearn's strategy: validation, accumulation, checkpoint and resume.
 
     torchrun --standalone --nproc-per-node 2 examples/lightning_example.py --speeds 3,1 --out runs/pl \\
         --accumulate 2 --ckpt-dir runs/pl-ckpt --ckpt-every 20 --max-steps 40

@@ -124,7 +124,8 @@ class SeeDDP(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         model = trainer.strategy.model
-        self.seen = {"gradient_as_bucket_view": model.gradient_as_bucket_view, "bucket_bytes_cap": model.bucket_bytes_cap}
+        self.seen = {"gradient_as_bucket_view": model.gradient_as_bucket_view,
+                     "bucket_bytes_cap": model.bucket_bytes_cap}
 
 
 def fit(world: int, steps: int, speeds: str | None, ckpt: str | None = None, callbacks=(), **options) -> dict:
@@ -190,7 +191,7 @@ def _three_ranks(rank: int, store: str, out: str) -> None:
 
 
 def spawn(worker, world: int, out: Path, scripted: str, prefix: str) -> list[dict]:
-    """``worker(rank, store, out)`` on ``world`` gloo ranks fed ``scripted`` timings; each rank's ``<prefix><rank>.pt``."""
+    """``worker(rank, store, out)`` on ``world`` gloo ranks fed ``scripted`` timings; each rank's result file."""
     with pytest.MonkeyPatch.context() as m:
         m.setenv(SCRIPTED_ENV, scripted)  # the spawned workers inherit it
         mp.start_processes(worker, args=(str(out / f"store{world}"), str(out)), nprocs=world, start_method="spawn")

@@ -51,7 +51,8 @@ def loop(world: int, speeds: str | None, save_at: int | None = None, path: str |
         torch.set_default_dtype(default)
 
 
-def _loop(strategy, model, world: int, save_at: int | None, path: str | None, resume: str | None, sync_every: int) -> dict:
+def _loop(strategy, model, world: int, save_at: int | None, path: str | None, resume: str | None,
+          sync_every: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world, precision="64-true")

@@ -9,6 +9,7 @@
   ``num_workers`` reach the session's loader; ``shuffle=False``, two
   optimizers, an ``accumulate_grad_batches`` that changes during fit, and a
   resume from a checkpoint without OmniLearn's state are refused.
+- Manual optimization with one optimizer steps as automatic optimization does.
 
 Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py`` (about 20 s).
 """
@@ -114,3 +115,23 @@ def test_resume_from_a_checkpoint_without_omnilearn_state_is_refused(tmp_path):
     plain.save_checkpoint(tmp_path / "plain.ckpt")
     with pytest.raises(ConfigError, match="global_step is 3 but OmniLearn's session is at step 0"):
         run(loader, ckpt=str(tmp_path / "plain.ckpt"), steps=6)
+
+
+class Manual(Net):
+    automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        opt.step()
+
+
+def test_manual_optimization_with_one_optimizer_steps_as_automatic_does():
+    loader = DataLoader(data(), batch_size=16, shuffle=True)
+    automatic, manual = Net(), Manual()
+    run(loader, model=automatic)
+    trainer = run(loader, model=manual)
+    assert trainer.global_step == trainer.strategy.session.steps_done == 3
+    for k, v in automatic.net.state_dict().items():
+        assert torch.equal(v, manual.net.state_dict()[k]), k

@@ -43,9 +43,10 @@ optimizer, an overridden ``LightningModule.backward``, a changing
 ``accumulate_grad_batches``, a resume from a checkpoint without OmniLearn's
 state. Lightning's ``use_distributed_sampler`` is not used (OmniLearn shards
 training and evaluation itself); Lightning handles SIGTERM
-(``handle_signals=False`` unless given). Fabric: docs/lightning.md says why not.
+(``handle_signals=False`` unless given). Custom loops: Lightning Fabric's
+:class:`~omnilearn.integrations.lightning_fabric.OmniLearnFabricStrategy`; the guide is docs/lightning.md.
 
-Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py tests/dist/test_lightning_resume.py
+Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py tests/dist/test_lightning_exact.py
 tests/examples/test_lightning_example.py``
 """
 
@@ -172,7 +173,8 @@ class OmniLearnStrategy(DDPStrategy):
         k, trainer = self.session.cfg.accumulation_steps, self.lightning_module.trainer
         if trainer.accumulate_grad_batches != k:
             raise ConfigError(f"accumulate_grad_batches changed to {trainer.accumulate_grad_batches} during fit (a "
-                              f"GradientAccumulationScheduler?): OmniLearn's exact accumulation is fixed per fit at {k}")
+                              f"GradientAccumulationScheduler?): OmniLearn's exact accumulation is fixed per fit at "
+                              f"{k}")
 
     def on_train_end(self) -> None:
         self._last_state = self.session.state_dict()

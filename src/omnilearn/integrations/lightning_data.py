@@ -26,7 +26,7 @@ evaluates a disjoint part of the validation/test/predict set (Lightning's
 with ``self.log(..., sync_dist=True)`` are averaged over every sample
 (Lightning sums the per-rank sums and the per-rank sample counts).
 
-Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py``
+Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py tests/dist/test_lightning_exact.py``
 """
 
 from __future__ import annotations

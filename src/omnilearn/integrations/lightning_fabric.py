@@ -116,8 +116,8 @@ class OmniLearnFabricStrategy(DDPStrategy):
 
     def backward(self, tensor, module, *args: Any, **kwargs: Any) -> None:
         if args or kwargs:
-            raise ConfigError(f"fabric.backward(loss, {args or ''}{kwargs or ''}): extra arguments are not supported by "
-                              "OmniLearnFabricStrategy (Session.backward takes the loss only); drop them")
+            raise ConfigError(f"fabric.backward(loss, {args or ''}{kwargs or ''}): extra arguments are not supported "
+                              "by OmniLearnFabricStrategy (Session.backward takes the loss only); drop them")
         self.precision.pre_backward(tensor, module)
         self.session.backward(tensor)
         self.precision.post_backward(tensor, module)

@@ -20,7 +20,7 @@ broadcasting (OmniLearn averages buffers by batch share), ``total_steps``
 ``total_steps`` and ``accumulation_steps`` as ``omnilearn.setup()`` keywords
 and Fabric's ``precision`` in place of ``precision_plugin``.
 
-Run: ``python -m pytest -q tests/dist/test_lightning_options.py``
+Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py``
 """
 
 from __future__ import annotations
@@ -77,6 +77,6 @@ def split_options(options: dict[str, Any], who: str = "OmniLearnStrategy", frame
         elif name in KEYWORDS:
             settings[name] = value
         else:
-            raise ConfigError(f"{who} got an unknown keyword {name}={value!r}; it takes omnilearn.setup() "
-                              f"keywords, DistributedDataParallel arguments and DDPStrategy's ({', '.join(sorted(framework))})")
+            raise ConfigError(f"{who} got an unknown keyword {name}={value!r}; it takes omnilearn.setup() keywords, "
+                              f"DistributedDataParallel arguments and DDPStrategy's ({', '.join(sorted(framework))})")
     return lightning, ddp, settings
