@@ -14,6 +14,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from runexample import assert_balanced_and_learning, scripted_timings, torchrun
 
@@ -25,6 +26,8 @@ def test_fsdp_example_rebalances_learns_and_resumes_on_another_worker_count(tmp_
     done = torchrun("fsdp_transformer.py", "--speeds", "3,1", "--steps", "40", "--out", str(out),
                     "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20", env=scripted_timings("3,1"))
     summary = assert_balanced_and_learning(out)
+    weights = torch.load(out / "model.pt", weights_only=True)  # the full tensors, not rank 0's shards
+    assert weights["embed.weight"].shape == (64, 64) and weights["layers.0.mlp.0.weight"].shape == (256, 64)
     assert summary["rebalances"] >= 1 and "stopped after step 40" in done.stdout
     assert sorted(p.name for p in ckpt.glob("step-*.dcp")) == ["step-000000020.dcp", "step-000000040.dcp"]
     for path in ckpt.glob("step-000000040.*"):  # back to step 20, as if the run had stopped there

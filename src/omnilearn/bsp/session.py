@@ -375,10 +375,12 @@ class Session(MemorySteps, IntervalEnds):
             if self.ledger.window_size():
                 self._end_interval(self.ledger.last_reported)
             self.sync_buffers()
+            # a sharded model's model.pt holds its full tensors: gathered by every rank, kept by rank 0
+            full = sharded.full_state(self.model) if sharded.is_sharded(self.model) and self.cfg.out else None
             recorded = getattr(self.telemetry, "steps_recorded", len(getattr(self.telemetry, "rows", [])))
             if self.telemetry is None or not recorded:
                 return None
-            return self.telemetry.finish(self.clock.wall_s(), self.clock.train_s(), saver(self.module))
+            return self.telemetry.finish(self.clock.wall_s(), self.clock.train_s(), saver(self.module, full))
         finally:
             self.release()
 

@@ -223,6 +223,13 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> None:
     model.set_requires_gradient_sync(sync)
 
 
+def full_state(model: nn.Module) -> dict:
+    """The sharded model's full ``state_dict`` on rank 0's CPU (a collective: every rank calls it; others get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 # ------------------------------------------------------------ checkpoints through torch.distributed.checkpoint
 def dcp_dir(directory: Path, step: int) -> Path:
     return Path(directory) / f"step-{step:09d}.dcp"
