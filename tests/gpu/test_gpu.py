@@ -15,6 +15,9 @@
   a real CUDA out-of-memory error in the forward (an impossible allocation
   above 16 samples) halves the cap and redoes the step: the weights equal a
   run without it, and the allocator's memory is given back.
+- FSDP2 (``fully_shard``) on one GPU: trained without a host sync per step
+  (its stalls are compute-stream events), equal to one process; on two
+  GPUs, heterogeneous: equal to one process, batches moved to the fast one.
 
 Run: ``python -m pytest -q tests/gpu`` (on a CUDA machine).
 """
@@ -192,3 +195,60 @@ def test_a_real_cuda_out_of_memory_error_is_recovered(capsys):
     assert close(got, expected) < 1e-5
     assert "out of memory in the forward of a micro-batch of 32 samples; cap 32 -> 16" in capsys.readouterr().err
     assert torch.cuda.memory_reserved() < 1 << 30
+
+
+# ------------------------------------------------------------ FSDP2 on CUDA (omnilearn.bsp.sharded)
+def _fsdp_shard(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = model.to(device)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def test_fsdp_on_one_gpu_trains_exactly_and_times_with_events_only(tmp_path, monkeypatch):
+    """FSDP2 on a one-GPU NCCL group: the stalls are CUDA events (no host sync per step), the weights exact."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        ol = omnilearn.setup(global_batch=64, control_interval=4, accumulation_steps=2, device="cuda")
+        model = ol.wrap_model(_fsdp_shard(token_model(), ol.device))
+        syncs = []
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
+        train(ol, model, ol.data_loader(TokenData(512, 16, 32)), 12)
+        assert not syncs  # the stalls are events on the compute stream, resolved at the interval ends
+        summary = ol.finish()
+        assert summary["steps"] == 12
+        from omnilearn.bsp.sharded import full_state
+        got = {k: v.detach().cpu() for k, v in full_state(model).items()}
+        assert close(got, reference(ol.device, 12, 64)) < 1e-4
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_two_gpu_worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.cuda.set_device(rank)
+    ol = omnilearn.setup(global_batch=64, speeds="3,1", control_interval=4, accumulation_steps=2, min_batch=8,
+                         device="cuda")
+    model = ol.wrap_model(_fsdp_shard(token_model(), ol.device))
+    train(ol, model, ol.data_loader(TokenData(512, 16, 32)), 24)
+    from omnilearn.bsp.sharded import full_state
+    state = full_state(model)
+    summary = ol.finish()
+    if rank == 0:
+        torch.save({"weights": {k: v.detach().cpu() for k, v in state.items()}, "summary": summary},
+                   f"{out}/rank0.pt")
+    ol.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across ranks needs 2 GPUs")
+def test_fsdp_on_two_gpus_heterogeneous_equals_one_process_and_moves_batches(tmp_path):
+    mp.start_processes(_fsdp_two_gpu_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    assert close(got["weights"], reference(torch.device("cuda", 0), 24, 64)) < 1e-4
+    fast, slow = got["summary"]["workers"]
+    assert fast["mean_batch"] > slow["mean_batch"]  # measured with compute-stream events: moved to rank 0
