@@ -10,6 +10,7 @@
   optimizers, an ``accumulate_grad_batches`` that changes during fit, and a
   resume from a checkpoint without OmniLearn's state are refused.
 - Manual optimization with one optimizer steps as automatic optimization does.
+- A stream (``IterableDataset``) trains to ``max_steps``; without ``max_steps`` it is refused.
 
 Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py`` (about 20 s).
 """
@@ -22,7 +23,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from omnilearn.config import ConfigError
 
@@ -135,3 +136,16 @@ def test_manual_optimization_with_one_optimizer_steps_as_automatic_does():
     assert trainer.global_step == trainer.strategy.session.steps_done == 3
     for k, v in automatic.net.state_dict().items():
         assert torch.equal(v, manual.net.state_dict()[k]), k
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        x, y = data().tensors
+        return zip(x, y)
+
+
+def test_a_stream_trains_to_max_steps_and_without_it_is_refused():
+    trainer = run(DataLoader(Stream(), batch_size=16), steps=5)
+    assert trainer.global_step == trainer.strategy.session.steps_done == 5
+    with pytest.raises(ConfigError, match=r"a stream \(Stream, no length\): give the run's length, Trainer\(max_steps=N\)"):
+        run(DataLoader(Stream(), batch_size=16), steps=-1)

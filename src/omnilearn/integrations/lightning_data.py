@@ -3,7 +3,8 @@
 Training (:func:`training_loader`): the user's ``DataLoader`` is rebuilt by
 ``Session.data_loader`` over the same dataset with its ``collate_fn``,
 ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``worker_init_fn``,
-``timeout`` and ``multiprocessing_context``; its ``batch_size`` is
+``timeout`` and ``multiprocessing_context`` (a stream, an ``IterableDataset``,
+needs the run's length: ``max_steps``); its ``batch_size`` is
 OmniLearn's to set (``b_i`` per step). A custom ``sampler`` or
 ``batch_sampler``, or ``shuffle=False``, is refused in one line: OmniLearn's
 sampler orders the data (a seeded shuffle per epoch). Lightning iterates a
@@ -79,6 +80,9 @@ def training_loader(session: Any, loader: Any) -> StepLoader:
         raise ConfigError(f"the training data is a {type(loader).__name__}, not a torch DataLoader: OmniLearnStrategy "
                           "rebuilds the DataLoader to hand each worker its share; return a DataLoader")
     stream = isinstance(loader.dataset, IterableDataset)
+    if stream and session.total_steps is None:
+        raise ConfigError(f"the training data is a stream ({type(loader.dataset).__name__}, no length): give the run's "
+                          "length, Trainer(max_steps=N) (Fabric: OmniLearnFabricStrategy(total_steps=N))")
     if not stream:
         _check_order(loader)
     options = {"num_workers": loader.num_workers, "collate_fn": loader.collate_fn}
