@@ -147,5 +147,6 @@ class Stream(IterableDataset):
 def test_a_stream_trains_to_max_steps_and_without_it_is_refused():
     trainer = run(DataLoader(Stream(), batch_size=16), steps=5)
     assert trainer.global_step == trainer.strategy.session.steps_done == 5
-    with pytest.raises(ConfigError, match=r"a stream \(Stream, no length\): give the run's length, Trainer\(max_steps=N\)"):
+    refused = r"a stream \(Stream, no length\): give the run's length, Trainer\(max_steps=N\)"
+    with pytest.raises(ConfigError, match=refused):
         run(DataLoader(Stream(), batch_size=16), steps=-1)
