@@ -306,7 +306,8 @@ def test_pyproject_keeps_the_library_small():
     assert all("python_version < '3.11'" in r for r in project["dependencies"] if r.startswith("tomli"))
     extras = project["optional-dependencies"]
     assert names(extras["experiments"]) == ["matplotlib", "mnist1d", "pillow"]
-    assert names(extras["lightning"]) == ["lightning"] and names(extras["hf"]) == ["transformers"]
+    assert names(extras["lightning"]) == ["lightning"]
+    assert names(extras["hf"]) == ["accelerate", "transformers"]  # Trainer needs accelerate
     assert extras["tensorflow"] == ["tensorflow-cpu==2.21.0"]  # the release tests/tf runs on
     assert "omnilearn-hetero[experiments,lightning,hf,tensorflow]" in extras["test"]  # CI runs every example and TF
     assert project["scripts"] == {"omnilearn": "omnilearn.experiments.cli:main"}
