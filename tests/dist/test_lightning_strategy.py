@@ -150,3 +150,14 @@ def test_a_stream_trains_to_max_steps_and_without_it_is_refused():
     refused = r"a stream \(Stream, no length\): give the run's length, Trainer\(max_steps=N\)"
     with pytest.raises(ConfigError, match=refused):
         run(DataLoader(Stream(), batch_size=16), steps=-1)
+
+
+def test_a_model_sharded_with_fully_shard_is_refused_naming_the_route(monkeypatch):
+    from omnilearn.bsp import sharded
+    from omnilearn.integrations.lightning_options import refuse_sharded
+
+    refuse_sharded(torch.nn.Linear(2, 2), "OmniLearnStrategy")  # not sharded: nothing to say
+    monkeypatch.setattr(sharded, "is_sharded", lambda model: True)  # as fully_shard's FSDPModule is
+    with pytest.raises(ConfigError, match=r"sharded with fully_shard \(FSDP2\), which OmniLearnStrategy cannot "
+                                          r"balance: train it in your own loop with ol.wrap_model\(model\)"):
+        refuse_sharded(torch.nn.Linear(2, 2), "OmniLearnStrategy")

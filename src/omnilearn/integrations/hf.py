@@ -82,7 +82,8 @@ def refusals(args: Any) -> list[str]:
     if getattr(args, "deepspeed", None):
         bad.append(f"deepspeed={args.deepspeed!r}: OmniLearn balances DDP only; drop deepspeed")
     if getattr(args, "fsdp", None):
-        bad.append(f"fsdp={args.fsdp!r}: OmniLearn's Trainer wraps DDP only; drop fsdp")
+        bad.append(f"fsdp={args.fsdp!r}: OmniLearn's Trainer wraps DDP only; drop fsdp, or for a sharded model "
+                   "train it in your own loop with fully_shard and ol.wrap_model (docs/fsdp.md)")
     if args.n_gpu > 1:
         bad.append(f"{args.n_gpu} GPUs in one process (DataParallel): launch one process per GPU with torchrun")
     if args.auto_find_batch_size:

@@ -70,7 +70,7 @@ from omnilearn.bsp.wrap import release
 from omnilearn.config import ConfigError
 from omnilearn.distributed.collect import gather_bytes
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
-from omnilearn.integrations.lightning_options import split_options
+from omnilearn.integrations.lightning_options import refuse_sharded, split_options
 
 STATE_KEY = "omnilearn"  # the session's state in a Lightning checkpoint
 
@@ -149,6 +149,7 @@ class OmniLearnStrategy(DDPStrategy):
                               "backward itself (Session.backward weights it); drop the override")
 
     def _setup_model(self, model):
+        refuse_sharded(model, "OmniLearnStrategy (Lightning's DDP strategy)")
         return self.session.wrap_model(model, **self._ddp_kwargs)
 
     def process_dataloader(self, dataloader: object) -> object:

@@ -58,7 +58,7 @@ import omnilearn
 from omnilearn.config import ConfigError
 from omnilearn.integrations.lightning import STATE_KEY, gathered_state
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
-from omnilearn.integrations.lightning_options import FABRIC_ARGS, FABRIC_TAKES, split_options
+from omnilearn.integrations.lightning_options import FABRIC_ARGS, FABRIC_TAKES, refuse_sharded, split_options
 
 
 class _SessionSync(_BackwardSyncControl):
@@ -100,6 +100,7 @@ class OmniLearnFabricStrategy(DDPStrategy):
         if getattr(self.precision, "scaler", None) is not None:
             raise ConfigError("Fabric(precision='16-mixed') uses a GradScaler, which OmniLearnFabricStrategy does not "
                               "support; use precision='bf16-mixed', '32-true' or '64-true'")
+        refuse_sharded(module, "OmniLearnFabricStrategy (Fabric's DDP strategy)")
         device = "cuda" if self.root_device.type == "cuda" else "cpu"
         self.session = omnilearn.setup(device=device, **self.settings)
         return self.session.wrap_model(module, **self._ddp_kwargs)

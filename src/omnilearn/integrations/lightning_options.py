@@ -80,3 +80,12 @@ def split_options(options: dict[str, Any], who: str = "OmniLearnStrategy", frame
             raise ConfigError(f"{who} got an unknown keyword {name}={value!r}; it takes omnilearn.setup() keywords, "
                               f"DistributedDataParallel arguments and DDPStrategy's ({', '.join(sorted(framework))})")
     return lightning, ddp, settings
+
+
+def refuse_sharded(model: object, strategy: str) -> None:
+    """One line for a model sharded with ``fully_shard`` (FSDP2): these strategies are DDP; the route is your own loop."""
+    from omnilearn.bsp.sharded import is_sharded
+
+    if is_sharded(model):
+        raise ConfigError(f"{type(model).__name__} is sharded with fully_shard (FSDP2), which {strategy} cannot "
+                          "balance: train it in your own loop with ol.wrap_model(model) (docs/fsdp.md)")
