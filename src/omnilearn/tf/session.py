@@ -15,6 +15,11 @@
         ol.log_eval(*ol.evaluate(x_test, y_test), epoch=epoch)
     ol.finish()                                                 # summary on worker 0; the run directory if out=
 
+A compiled Keras model trains with ``history = ol.fit(model, dataset,
+epochs=..., callbacks=[...])`` instead (:mod:`omnilearn.tf.fit`); ``data()``
+also takes a ``tf.data.Dataset`` of unbatched ``(x, y)`` examples
+(:mod:`omnilearn.tf.data`).
+
 The batches are the PyTorch runtime's: epoch ``e`` permutes the samples by
 ``(seed, e)`` and step ``s`` of it gives worker ``i`` its contiguous slice of
 the step's ``B`` samples (:class:`~omnilearn.data.schedule.GlobalPlan`), so a
@@ -60,6 +65,8 @@ from omnilearn.observe.recorder import ROW_FIELDS, Telemetry
 from omnilearn.runplan import RunPlan, plan_run
 from omnilearn.stopping import stop_requested
 from omnilearn.tf.cluster import Cluster
+from omnilearn.tf.data import examples
+from omnilearn.tf.fit import fit as fit_model
 from omnilearn.tf.steps import Gather, TrainStep
 from omnilearn.tf.timing import StepClock
 from omnilearn.trainclock import TrainClock
@@ -128,17 +135,37 @@ class TFSession:
         """``with ol.scope():`` build the model and optimizer here (their variables are mirrored)."""
         return self.strategy.scope()
 
-    def wrap(self, model, optimizer, loss) -> None:
-        """Compile the weighted step for ``model`` (built in :meth:`scope`) with ``optimizer`` and ``loss``."""
+    def wrap(self, model, optimizer, loss, step: type[TrainStep] = TrainStep) -> None:
+        """Compile the weighted step for ``model`` (built in :meth:`scope`) with ``optimizer`` and ``loss``.
+
+        ``step``: the step's class (:mod:`omnilearn.tf.fit` passes one that also keeps the predictions).
+        """
         if self.train_step is not None:
             raise RuntimeError("wrap() was already called: one model per session")
         self.model, self.optimizer = model, optimizer
-        self.train_step = TrainStep(self.strategy, model, optimizer, loss, self._local_grads_ready)
+        self.train_step = step(self.strategy, model, optimizer, loss, self._local_grads_ready)
+        model.fit = refuse_model_fit  # Keras' own fit fails under this strategy (PerReplica); say what to call
 
-    def data(self, x: np.ndarray, y: np.ndarray) -> "WorkerBatches":
-        """This worker's share of every global batch of ``(x, y)`` (arrays of the same length, on every worker)."""
+    def set_total_steps(self, total_steps: int) -> None:
+        """Bound the run at ``total_steps`` before :meth:`data` plans it (``fit`` sets epochs x steps per epoch)."""
+        if self.plan is not None:
+            raise RuntimeError("the run's length is fixed once data() has planned it")
+        self.total_steps = total_steps
+        self.loop = make_loop(self.cfg, self.cluster.world_size, total_steps)
+        self.schedule = BatchSchedule(self.loop.batches)
+
+    def data(self, x, y: np.ndarray | None = None) -> "WorkerBatches":
+        """This worker's share of every global batch of ``(x, y)`` (arrays of the same length, on every worker).
+
+        Or ``data(dataset)``: a ``tf.data.Dataset`` of unbatched ``(x, y)`` examples, read once into arrays
+        (:mod:`omnilearn.tf.data`).
+        """
         if self.plan is not None:
             raise RuntimeError("data() was already called: one training data source per session")
+        if isinstance(x, tf.data.Dataset) or y is None:
+            if y is not None:
+                raise ConfigError("data(dataset, y): a dataset holds its labels; pass data(dataset) alone")
+            x, y = examples(x)
         if len(x) != len(y):
             raise ConfigError(f"data(x, y): x has {len(x)} samples but y has {len(y)}; give one label per sample")
         try:
@@ -149,6 +176,10 @@ class TFSession:
         if self.is_main:
             self.telemetry = Telemetry(self.cfg, self.run, self.run_dir)
         return WorkerBatches(self, x, y)
+
+    def fit(self, model, x, y=None, **keras_fit: Any):
+        """``model.fit`` on balanced workers: a compiled model, callbacks, a ``History`` (:mod:`omnilearn.tf.fit`)."""
+        return fit_model(self, model, x, y, **keras_fit)
 
     def begin(self, step: int) -> None:
         """``step``'s batch is handed out: its clock starts, under the speeds in force (the loader calls it)."""
@@ -294,3 +325,9 @@ def save_weights(model, path: Path) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def refuse_model_fit(*_args, **_kwargs):
+    """``model.fit`` on a model a session balances: one line naming ``ol.fit`` instead."""
+    raise ConfigError("model.fit() on a model OmniLearn balances: call ol.fit(model, data, epochs=..., callbacks=...) "
+                      "instead (Keras' fit cannot change each worker's batch)")

@@ -1,0 +1,286 @@
+"""``ol.fit(model, data, epochs=..., callbacks=[...])``: a compiled Keras model trained on balanced workers, as ``model.fit`` trains it.
+
+    ol = omnilearn.tf.setup(global_batch=256)            # instead of strategy = MultiWorkerMirroredStrategy()
+    with ol.scope():
+        model = build_model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = ol.fit(model, dataset, epochs=3, validation_data=(x_val, y_val),
+                     callbacks=[keras.callbacks.EarlyStopping(patience=2), keras.callbacks.CSVLogger("log.csv")])
+
+Why not ``model.fit`` itself: Keras' ``fit`` owns the data (it distributes
+a dataset with one fixed batch per replica; OmniLearn's per-worker batch
+changes every control interval) and, in Keras 3 under
+``MultiWorkerMirroredStrategy`` on TF 2.21, fails with two workers (the
+``PerReplica`` conversion error). So this module drives Keras' own
+``CallbackList`` (with ``History`` and, on worker 0 only, the progress bar)
+around OmniLearn's weighted step (:class:`FitStep`: the session's
+:class:`~omnilearn.tf.steps.TrainStep` that also keeps the predictions and
+adds ``model.losses``), with the hooks, ``params`` and ``logs`` ``model.fit``
+gives: callbacks see what they see under ``model.fit``.
+
+Logs. Each worker updates the loss (a ``Mean`` weighted by its ``b_i``)
+and the compiled metrics on its own samples; after every step one SUM
+all-reduce of their state variables (totals and counts) gives every worker
+the global batch's values: the metrics are reduced with the weights
+``b_i`` and every worker gets the same logs. So every worker's callbacks
+take the same decisions (``EarlyStopping``, ``ReduceLROnPlateau``,
+``LearningRateScheduler``: run on every worker); the writers
+(``ModelCheckpoint``, ``CSVLogger``, ``TensorBoard``, ``ProgbarLogger``,
+``RemoteMonitor``) run on worker 0 only. Metrics must keep additive states
+(sums and counts: Keras' means, accuracies, confusion-matrix metrics).
+Validation is sharded: worker ``i`` evaluates a contiguous share of the
+validation set in proportion to its batch, and the same reduction gives
+``val_*``.
+
+Refused by name (one line): ``BackupAndRestore`` (no resume yet), ``batch_size``
+(the global batch is ``setup(global_batch=)``), ``validation_split``,
+``shuffle=False``, ``class_weight``, ``sample_weight``, ``initial_epoch``,
+``validation_steps``, multi-output losses, ``steps_per_execution``, models
+with metrics other than the compiled ones, and ``fit`` inside ``ol.scope()``.
+
+Run: ``python -m pytest -q tests/tf/test_tf_fit.py``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from omnilearn.config import ConfigError
+from omnilearn.tf.data import examples
+from omnilearn.tf.steps import Gather, TrainStep
+
+WORKER_0_ONLY = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
+                 keras.callbacks.ProgbarLogger, keras.callbacks.RemoteMonitor)
+REFUSED_CALLBACKS = {
+    keras.callbacks.BackupAndRestore: "ol.fit has no resume yet; save with ModelCheckpoint and restart",
+}
+REFUSED_ARGS = {
+    "batch_size": "the global batch is omnilearn.tf.setup(global_batch=...), cut per worker by speed",
+    "validation_split": "pass validation_data=(x_val, y_val) (or a dataset)",
+    "class_weight": "weight the loss yourself",
+    "sample_weight": "weight the loss yourself",
+    "initial_epoch": "ol.fit has no resume yet; leave it out",
+    "validation_steps": "the whole validation set is evaluated, sharded across workers; leave it out",
+    "shuffle": "the global permutation is seeded by setup(seed=...) and always on; leave it out",
+}
+
+
+class FitStep(TrainStep):
+    """The weighted step that also keeps this worker's predictions (:attr:`predictions`) and adds ``model.losses``."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.per_sample_loss, self.loss = self.loss, self._loss
+        self.predictions = None
+        self._traced_pred = None
+
+    def _loss(self, y, y_pred):
+        """Per-sample loss plus the model's regularisation losses (as Keras' ``compute_loss`` adds them)."""
+        self._traced_pred = y_pred
+        losses = self.per_sample_loss(y, y_pred)
+        extra = self.model.losses
+        return losses + tf.cast(tf.add_n(extra), losses.dtype) if extra else losses
+
+    def __call__(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
+        if self.function is None:
+            spec = [tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
+                    tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)), tf.TensorSpec((), tf.float64)]
+            self.function = tf.function(self._run, input_signature=spec)
+        loss, pred = self.function(x, y, tf.constant(scale, tf.float64))
+        local = self.strategy.experimental_local_results
+        self.predictions = local(pred)[0]
+        return float(local(loss)[0])
+
+    def _replica(self, x, y, scale):
+        loss = super()._replica(x, y, scale)
+        return loss, self._traced_pred
+
+
+class Reduced:
+    """Metrics whose state every worker fills with its own samples; :meth:`results` are the global batch's."""
+
+    def __init__(self, session, metrics: list) -> None:
+        self.session, self.metrics = session, metrics
+        self.gather: Gather | None = None
+
+    def reset(self) -> None:
+        for m in self.metrics:
+            m.reset_state()
+
+    def results(self, prefix: str = "") -> dict[str, float]:
+        """One SUM all-reduce of every metric's state; the results from the sums; this worker's state kept."""
+        variables = [v for m in self.metrics for v in m.variables]
+        local = [np.asarray(v.numpy(), np.float64) for v in variables]
+        flat = np.concatenate([a.ravel() for a in local])
+        if self.gather is None:  # the same width on every worker: the same compiled metrics
+            s = self.session
+            self.gather = Gather(s.strategy, s.rank, s.world_size, flat.size)
+        total, at = self.gather(flat.tolist()).sum(axis=0), 0
+        for v, a in zip(variables, local):
+            v.assign(total[at : at + a.size].reshape(a.shape).astype(v.dtype))
+            at += a.size
+        logs = {}
+        for m in self.metrics:
+            result = m.result()
+            logs.update({f"{prefix}{k}": float(r) for k, r in result.items()} if isinstance(result, dict)
+                        else {f"{prefix}{m.name}": float(result)})
+        for v, a in zip(variables, local):
+            v.assign(a.astype(v.dtype))
+        return logs
+
+
+def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str | int = "auto",
+        callbacks: list | None = None, validation_data=None, steps_per_epoch: int | None = None,
+        validation_batch_size: int | None = None, validation_freq: int = 1,
+        **keras_only: Any) -> keras.callbacks.History:
+    """Train the compiled ``model`` on ``x`` (a ``tf.data.Dataset`` of examples, or an array with ``y``)."""
+    refuse_args(keras_only)
+    if tf.distribute.has_strategy():
+        raise ConfigError("ol.fit() inside `with ol.scope():`; build and compile the model there, then call fit "
+                          "outside it")
+    loss = compiled_loss(model)
+    if session.train_step is not None or session.plan is not None:
+        raise ConfigError("ol.fit() wraps the model and reads the data itself: call it instead of ol.wrap() and "
+                          "ol.data(), once per session")
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise ConfigError("fit(dataset, y): a dataset holds its labels; pass fit(model, dataset)")
+        x, y = examples(x)
+    elif y is None:
+        raise ConfigError("fit(model, x): give the labels too, fit(model, x, y), or a dataset of (x, y) examples")
+    per_pass = len(x) // session.global_batch
+    steps_per_epoch = steps_per_epoch or per_pass
+    if per_pass < 1 or steps_per_epoch < 1 or epochs < 1:
+        raise ConfigError(f"fit(epochs={epochs}, steps_per_epoch={steps_per_epoch}) over {len(x)} samples at "
+                          f"global batch {session.global_batch}: give at least one step and one epoch")
+    total = epochs * steps_per_epoch
+    if session.total_steps is not None and session.total_steps != total:
+        raise ConfigError(f"setup(total_steps={session.total_steps}) but fit runs epochs x steps_per_epoch = "
+                          f"{total}; leave total_steps out of setup() (fit sets the run's length)")
+    validation = validation_arrays(validation_data)
+    verbose = (1 if verbose == "auto" else verbose) if session.is_main else 0
+    hooks = callback_list(session, model, callbacks, verbose=verbose, epochs=epochs, steps=steps_per_epoch)
+    if verbose and not session.cfg.quiet:  # Keras' progress bar replaces OmniLearn's live lines: one summary line
+        session.cfg = dataclasses.replace(session.cfg, quiet=True)
+    session.set_total_steps(total)
+    loader = session.data(x, y)
+    session.wrap(model, model.optimizer, loss, step=FitStep)
+    compiled = getattr(model, "_compile_metrics", None)
+    metrics = Reduced(session, [keras.metrics.Mean(name="loss"), *([compiled] if compiled is not None else [])])
+    history = next(c for c in hooks.callbacks if isinstance(c, keras.callbacks.History))
+    batches = itertools.chain.from_iterable(loader for _ in itertools.count())  # each pass: the next data epoch
+    model.stop_training = False
+    hooks.on_train_begin()
+    logs: dict[str, float] = {}
+    for epoch in range(epochs):
+        metrics.reset()
+        hooks.on_epoch_begin(epoch)
+        for batch in range(steps_per_epoch):
+            hooks.on_train_batch_begin(batch)
+            xb, yb = next(batches)
+            step_loss = session.step(xb, yb)
+            tracker = metrics.metrics[0]  # a Python float would enter Keras as float32
+            tracker.update_state(np.asarray(step_loss, tracker.dtype), sample_weight=np.asarray(len(xb), tracker.dtype))
+            if compiled is not None:
+                compiled.update_state(yb, session.train_step.predictions)
+            logs = metrics.results()
+            hooks.on_train_batch_end(batch, logs)
+            if model.stop_training or session.should_stop:
+                break
+        if validation is not None and (epoch + 1) % validation_freq == 0:
+            with session.paused():
+                logs = {**logs, **evaluate(session, metrics, *validation, validation_batch_size)}
+            accuracy = next((v for k, v in logs.items() if k.startswith("val_") and k.endswith("accuracy")), None)
+            session.log_eval(logs["val_loss"], accuracy, epoch)
+        hooks.on_epoch_end(epoch, logs)
+        if model.stop_training or session.should_stop:
+            break
+    hooks.on_train_end(logs)
+    session.finish()
+    return history
+
+
+def refuse_args(given: dict[str, Any]) -> None:
+    for name, value in given.items():
+        if name == "initial_epoch" and value == 0 or name == "shuffle" and value is True:
+            continue
+        why = REFUSED_ARGS.get(name)
+        raise ConfigError(f"fit({name}={value!r}): {why}" if why else
+                          f"fit() got an unknown keyword {name}={value!r}; see omnilearn.tf.fit for what it takes")
+
+
+def compiled_loss(model: keras.Model) -> Callable:
+    """The loss ``model.compile`` was given, as a callable (refusing what OmniLearn's step cannot weight)."""
+    if not getattr(model, "compiled", False) or getattr(model, "loss", None) is None or model.optimizer is None:
+        raise ConfigError("ol.fit(model): compile it first, in ol.scope(): model.compile(optimizer=..., loss=...)")
+    if isinstance(model.loss, (list, tuple, dict)):
+        raise ConfigError(f"ol.fit(model): a multi-output loss ({type(model.loss).__name__}) is not supported yet; "
+                          "compile with one loss")
+    if getattr(model, "steps_per_execution", 1) != 1:
+        raise ConfigError(f"model.compile(steps_per_execution={model.steps_per_execution}): ol.fit runs one step "
+                          "per call; leave it at 1")
+    known = {id(getattr(model, "_loss_tracker", None)), id(getattr(model, "_compile_metrics", None))}
+    other = [m.name for m in model.metrics if id(m) not in known]
+    if other:
+        raise ConfigError(f"ol.fit(model): metrics outside compile() ({', '.join(other)}) are not reduced across "
+                          "workers; pass them to model.compile(metrics=[...])")
+    return keras.losses.get(model.loss) if isinstance(model.loss, str) else model.loss
+
+
+def validation_arrays(data) -> tuple[np.ndarray, np.ndarray] | None:
+    """``validation_data`` as two arrays: ``(x_val, y_val)``, or a dataset of examples (read once)."""
+    if data is None:
+        return None
+    if isinstance(data, tf.data.Dataset):
+        return examples(data)
+    if isinstance(data, (tuple, list)) and len(data) == 2 and len(data[0]) == len(data[1]):
+        return np.asarray(data[0]), np.asarray(data[1])
+    raise ConfigError(f"fit(validation_data={type(data).__name__}): give (x_val, y_val) of the same length, or a "
+                      "tf.data.Dataset of (x, y) examples (no sample weights)")
+
+
+def callback_list(session, model, callbacks: list | None, **params: Any) -> keras.callbacks.CallbackList:
+    """Keras' own list (``History``; the progress bar if ``verbose``): writers on worker 0 only; refusals by name."""
+    kept = []
+    for c in callbacks or []:
+        refused = next((why for kind, why in REFUSED_CALLBACKS.items() if isinstance(c, kind)), None)
+        if refused:
+            raise ConfigError(f"fit(callbacks=[{type(c).__name__}]): {refused}")
+        if session.is_main or not isinstance(c, WORKER_0_ONLY):
+            kept.append(c)
+    return keras.callbacks.CallbackList(kept, add_history=True, add_progbar=params["verbose"] != 0, model=model,
+                                        **params)
+
+
+def shares(count: int, batches: tuple[int, ...]) -> list[int]:
+    """``count`` cut in proportion to ``batches`` (largest remainder): worker i's share of the validation set."""
+    total = sum(batches)
+    exact = [count * b / total for b in batches]
+    cut = [int(e) for e in exact]
+    for i in sorted(range(len(cut)), key=lambda i: cut[i] - exact[i])[: count - sum(cut)]:
+        cut[i] += 1
+    return cut
+
+
+def evaluate(session, metrics: Reduced, x: np.ndarray, y: np.ndarray, batch_size: int | None) -> dict[str, float]:
+    """``val_*`` logs: this worker's share of ``(x, y)`` evaluated locally, the states reduced across workers."""
+    cut = shares(len(x), session.batches)
+    lo = sum(cut[: session.rank])
+    hi, size = lo + cut[session.rank], batch_size or session.global_batch
+    metrics.reset()
+    loss_fn, tracker, compiled = session.train_step.loss, metrics.metrics[0], metrics.metrics[1:]
+    for start in range(lo, hi, size):
+        xb, yb = x[start : min(hi, start + size)], y[start : min(hi, start + size)]
+        pred = session.model(xb, training=False)
+        tracker.update_state(loss_fn(yb, pred))
+        for m in compiled:
+            m.update_state(yb, pred)
+    logs = metrics.results("val_")
+    metrics.reset()
+    return logs
