@@ -1,4 +1,4 @@
-"""``omnilearn`` command line: ``omnilearn train|bench|report|simulate [flags]``.
+"""``omnilearn`` command line: ``omnilearn train|bench|report|simulate|launch [flags]``.
 
 Examples::
 
@@ -9,6 +9,7 @@ Examples::
     omnilearn bench --quick                           # uniform vs static vs omnilearn per HL
     omnilearn report runs/<timestamp>                 # PNG plots of a run or a bench
     omnilearn simulate --workers 1024 --noise 0.1     # the same controllers against modelled workers
+    omnilearn launch --workers 2 --speeds 3,1 train.py # your own TensorFlow script as local workers
 
 Settings come from defaults, then ``--config FILE.toml``, then flags. Bad input
 ends with one ``omnilearn: error: ...`` line and exit status 2.
@@ -31,7 +32,7 @@ from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, FRAM
                               dump_toml, load_toml, workers_from_speeds)
 from omnilearn.experiments.datasets.core import DATASETS
 from omnilearn.experiments.zoo.models import MODELS, is_language_model
-from omnilearn.experiments import preflight, restarts, whatif
+from omnilearn.experiments import preflight, restarts, userlaunch, whatif
 from omnilearn.experiments.presets import load_preset, preset_names
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.balance.controllers import CONTROLLERS
@@ -184,6 +185,7 @@ def parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     _report_parser(sub)
     _simulate_parser(sub)
+    userlaunch.add_parser(sub)
     return p
 
 
@@ -435,7 +437,7 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "bench": bench, "report": report, "simulate": whatif.run}
+COMMANDS = {"train": train, "bench": bench, "report": report, "simulate": whatif.run, "launch": userlaunch.run}
 
 
 def missing_harness_modules() -> list[str]:

@@ -49,19 +49,21 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGKILL when the l
         pass
 
 
-def start(cfg: TrainConfig, run_dir: Path) -> list[subprocess.Popen]:
-    ports = free_ports(cfg.workers)
+def start(workers: int, device: str, run_dir: Path, command: list[str],
+          extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """One process per worker running ``command``, each with its ``TF_CONFIG`` (and ``extra_env``)."""
+    ports = free_ports(workers)
     procs = []
-    for rank in range(cfg.workers):
-        env = {**os.environ, "TF_CONFIG": local_config(ports, rank), LOCAL_WORKERS_ENV: str(cfg.workers),
-               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), "PYTHONUNBUFFERED": "1"}
-        if cfg.device == "cpu":
+    for rank in range(workers):
+        env = {**os.environ, "TF_CONFIG": local_config(ports, rank), LOCAL_WORKERS_ENV: str(workers),
+               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), "PYTHONUNBUFFERED": "1",
+               **(extra_env or {})}
+        if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         with open(log_path(run_dir, rank), "ab") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "omnilearn.experiments.tfjob", str(run_dir)], env=env, stderr=log,
-                stdout=None if rank == 0 else subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_die_with_parent))
+                command, env=env, stderr=log, stdout=None if rank == 0 else subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent))
     return procs
 
 
@@ -90,12 +92,20 @@ def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
 
 
 def run_local(cfg: TrainConfig, run_dir: Path) -> None:
-    """Run the workers to the end; raise WorkerFailed (or Interrupted) naming the cause."""
-    startup(f"starting {cfg.workers} TensorFlow worker processes (tf.distribute MultiWorkerMirroredStrategy; "
-            f"each imports TensorFlow: seconds); their logs: {log_path(run_dir, 0).name} ...", cfg.quiet)
+    """Run the workers of ``omnilearn train --framework tensorflow`` to the end (see :func:`supervise`)."""
+    supervise(cfg.workers, cfg.device, run_dir, [sys.executable, "-m", "omnilearn.experiments.tfjob", str(run_dir)],
+              quiet=cfg.quiet)
+
+
+def supervise(workers: int, device: str, run_dir: Path, command: list[str], extra_env: dict[str, str] | None = None,
+              quiet: bool = False) -> None:
+    """Run ``command`` as ``workers`` TensorFlow workers to the end; raise WorkerFailed (or Interrupted) naming the
+    cause. Also the launcher of a user's own script (:mod:`omnilearn.experiments.userlaunch`)."""
+    startup(f"starting {workers} TensorFlow worker processes (tf.distribute MultiWorkerMirroredStrategy; "
+            f"each imports TensorFlow: seconds); their logs: {log_path(run_dir, 0).name} ...", quiet)
     first: int | None = None  # the first worker seen ending badly (the others are stopped after it)
     with SignalTrap() as trap:
-        procs = start(cfg, run_dir)
+        procs = start(workers, device, run_dir, command, extra_env)
         try:
             while any(p.poll() is None for p in procs):
                 if trap.received:

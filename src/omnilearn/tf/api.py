@@ -15,7 +15,7 @@ from typing import Any
 
 from omnilearn import stopping
 from omnilearn.config import BalanceConfig, ConfigError, api_wording, dump_toml
-from omnilearn.keywords import KEYWORDS, check_keywords, for_world
+from omnilearn.keywords import KEYWORDS, check_keywords, for_world, launched
 from omnilearn.observe.rundir import prepare
 from omnilearn.tf.cluster import from_env, make_strategy
 from omnilearn.tf.session import TFSession, check_supported
@@ -29,6 +29,7 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     as in ``omnilearn.setup()`` (:func:`omnilearn.stopping.handle_for_run`).
     """
     try:
+        settings = launched(settings)  # --speeds/--out of ``omnilearn launch`` (omnilearn.experiments.userlaunch)
         check_keywords("omnilearn.tf.setup()", settings, local_batch, handle_signals)
         first = dataclasses.replace(config, **settings) if config is not None else BalanceConfig(**settings)
         check_supported(first)

@@ -1,0 +1,86 @@
+"""``omnilearn launch``: start your own TensorFlow script as local workers, watched like ``omnilearn train``.
+
+    omnilearn launch --framework tensorflow --workers 2 --speeds 3,1 --out runs/keras train.py --epochs 3
+
+Each worker is ``python script.py [args]`` with its own ``TF_CONFIG`` (the
+localhost cluster's addresses and its index), as a TensorFlow user would
+start one per machine. ``--speeds`` and ``--out`` reach the script's
+``omnilearn.tf.setup()`` through :data:`~omnilearn.keywords.LAUNCH_ENV` (a
+script that gives them itself must agree). Worker 0's output is the
+console; every worker's standard error goes to ``OUT/tf-worker<R>.log``.
+The supervision is ``omnilearn train --framework tensorflow``'s
+(:func:`omnilearn.experiments.tflaunch.supervise`): a worker that exits
+badly stops the others and is named in one line with the last line of its
+log (exit 1); SIGINT/SIGTERM stop every worker (exit 128 + the signal). A
+worker that never joins the cluster leaves the others in
+``MultiWorkerMirroredStrategy``'s start-up until its timeout, then they
+fail and are named the same way.
+
+Multi-node: start ``python script.py`` on each machine with its own
+``TF_CONFIG`` (docs/tensorflow.md). A PyTorch script is started by
+``torchrun`` (OmniLearn joins its group): ``--framework pytorch`` says so.
+
+Run its tests: ``python -m pytest -q tests/tf/test_tf_launch.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from omnilearn.emulation.speeds import speed_count
+from omnilearn.experiments.config import ConfigError
+from omnilearn.keywords import LAUNCH_ENV
+from omnilearn.observe.rundir import RUN_FILES, check_out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("launch", help="start your own TensorFlow script as local workers (TF_CONFIG each)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--framework", choices=("tensorflow", "pytorch"), default="tensorflow",
+                   help="tensorflow (default); pytorch scripts are started by torchrun")
+    p.add_argument("--workers", type=int, help="local worker processes (default: one per --speeds entry, else 2)")
+    p.add_argument("--speeds", help="emulated relative speeds, e.g. 3,1, or a level HL1..HL8 (default: all equal)")
+    p.add_argument("--out", help="the run directory (default runs/<time>): the script's records and worker logs")
+    p.add_argument("--overwrite", action="store_true", help="reuse an --out that already holds a run")
+    p.add_argument("--device", choices=("cpu", "auto"), default="cpu", help="cpu (default) hides GPUs from workers")
+    p.add_argument("script", help="your training script (it calls omnilearn.tf.setup())")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnilearn.experiments import tflaunch
+
+    script = Path(args.script)
+    if args.framework == "pytorch":
+        raise ConfigError(f"a PyTorch script is started by torchrun: torchrun --standalone --nproc-per-node N "
+                          f"{script} (omnilearn.setup() joins its group; speeds=... in setup())")
+    if not script.is_file():
+        raise ConfigError(f"script {str(script)!r} is not a file; give the path of your training script")
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ConfigError("omnilearn launch --framework tensorflow needs TensorFlow: pip install "
+                          "'omnilearn-hetero[tensorflow]'")
+    workers = _workers(args.workers, args.speeds)
+    out = check_out(args.out, args.overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.overwrite:  # the script's setup() then finds no run here
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+    given = {"out": str(out), **({"speeds": args.speeds} if args.speeds else {})}
+    print(f"omnilearn: {workers} TensorFlow workers of {script}{' ' + ' '.join(args.args) if args.args else ''}; "
+          f"run directory {out}", flush=True)
+    tflaunch.supervise(workers, args.device, out, [sys.executable, str(script), *args.args],
+                       {LAUNCH_ENV: json.dumps(given)})
+    return 0
+
+
+def _workers(workers: int | None, speeds: str | None) -> int:
+    count = speed_count(speeds) if speeds else None
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers {workers}: give at least 1")
+    if workers is not None and count is not None and count != workers:
+        raise ConfigError(f"--speeds {speeds} has {count} entries for --workers {workers}: give one per worker")
+    return workers or count or 2

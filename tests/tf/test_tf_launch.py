@@ -1,0 +1,84 @@
+"""``omnilearn launch``: a user's own TensorFlow script started as local workers, watched like ``omnilearn train``.
+
+- ``examples/keras_tf.py`` launched with ``--workers 2 --speeds 2,1 --out DIR`` (the script gives neither):
+  each worker gets its ``TF_CONFIG`` and the launcher's settings, worker 0's output is the console, every
+  worker's stderr is in ``DIR/tf-worker<R>.log``; the run balances (scripted timings) and learns.
+- A worker that fails stops the others: exit 1 and one line naming it with its log's last line.
+- In-process: a script's own ``speeds`` that disagrees with ``--speeds`` is one line; bad launches are one
+  line and exit 2 before anything starts (a PyTorch script: torchrun).
+
+Run: ``python -m pytest -q tests/tf/test_tf_launch.py``
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from omnilearn.config import ConfigError
+from omnilearn.experiments.cli import main
+from omnilearn.keywords import LAUNCH_ENV, launched
+
+pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
+pytestmark = pytest.mark.dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "examples"))
+from runexample import assert_balanced_and_learning, scripted_timings  # noqa: E402
+
+
+def launch(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omnilearn", "launch", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
+
+
+def test_a_launched_keras_script_balances_learns_and_logs_per_worker(tmp_path):
+    out = tmp_path / "run"
+    done = launch("--workers", "2", "--speeds", "2,1", "--out", str(out), "examples/keras_tf.py", "--epochs", "3",
+                  env=scripted_timings("2,1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = assert_balanced_and_learning(out)  # the launcher's --speeds and --out reached the script
+    assert summary["rebalances"] >= 1 and summary["declared_speeds"] == [2.0, 1.0]
+    assert "omnilearn: 2 TensorFlow workers of examples/keras_tf.py --epochs 3" in done.stdout
+    assert "epoch 2: test loss" in done.stdout  # worker 0's output is the console
+    assert (out / "tf-worker0.log").exists() and (out / "tf-worker1.log").exists()
+
+
+FAILING = """
+import json, os, sys, time
+if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+    sys.exit("omnilearn: error: worker 1 could not read its data")
+time.sleep(120)  # worker 0 would wait for it in the cluster
+"""
+
+
+def test_a_failing_worker_stops_the_others_and_is_named(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    start = time.monotonic()
+    done = launch("--workers", "2", "--out", str(tmp_path / "run"), str(script), timeout=60)
+    assert done.returncode == 1 and time.monotonic() - start < 60
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"omnilearn: error: TensorFlow worker 1 failed (exit 1): worker 1 could not read its data "
+        f"(log: {tmp_path / 'run' / 'tf-worker1.log'})")
+
+
+def test_launch_settings_fill_the_script_and_a_disagreement_is_one_line(capsys, tmp_path):
+    env = {LAUNCH_ENV: '{"speeds": "3,1", "out": "runs/x"}'}
+    assert launched({"global_batch": 8, "out": None}, env) == {"global_batch": 8, "speeds": "3,1", "out": "runs/x"}
+    assert launched({"speeds": "3,1"}, env)["speeds"] == "3,1"
+    with pytest.raises(ConfigError, match=r"speeds='2,1' in the script, but omnilearn launch --speeds 3,1: give it "
+                                          r"in one place"):
+        launched({"speeds": "2,1"}, env)
+    assert launched({"speeds": "2,1"}, {}) == {"speeds": "2,1"}
+    (tmp_path / "s.py").write_text("")
+    for argv, said in ((["--framework", "pytorch", "x.py"], "a PyTorch script is started by torchrun"),
+                       (["missing.py"], "script 'missing.py' is not a file"),
+                       (["--workers", "3", "--speeds", "3,1", str(tmp_path / "s.py")], "--speeds 3,1 has 2 entries")):
+        assert main(["launch", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("omnilearn: error: ") and said in err and err.count("\n") == 1, err
