@@ -156,6 +156,8 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
         raise ConfigError("fit(model, x): give the labels too, fit(model, x, y), or a dataset of (x, y) examples")
     per_pass = len(x) // session.global_batch
     steps_per_epoch = steps_per_epoch or per_pass
+    if type(validation_freq) is not int or validation_freq < 1:
+        raise ConfigError(f"fit(validation_freq={validation_freq!r}): give a whole number of epochs, 1 or more")
     if per_pass < 1 or steps_per_epoch < 1 or epochs < 1:
         raise ConfigError(f"fit(epochs={epochs}, steps_per_epoch={steps_per_epoch}) over {len(x)} samples at "
                           f"global batch {session.global_batch}: give at least one step and one epoch")
