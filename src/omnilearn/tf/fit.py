@@ -103,35 +103,67 @@ class FitStep(TrainStep):
 
 
 class Reduced:
-    """Metrics whose state every worker fills with its own samples; :meth:`results` are the global batch's."""
+    """The loss and the compiled metrics, each worker filling them with its own samples; :meth:`results` are the
+    global batch's (one SUM all-reduce of their states). Graph functions once the metrics are built (first update).
+    """
 
-    def __init__(self, session, metrics: list) -> None:
-        self.session, self.metrics = session, metrics
+    def __init__(self, session, compiled) -> None:
+        self.session, self.tracker = session, keras.metrics.Mean(name="loss")
+        self.metrics = [self.tracker, *([compiled] if compiled is not None else [])]
         self.gather: Gather | None = None
+        self.graphs: tuple[Callable, Callable, Callable] | None = None
+
+    @property
+    def variables(self) -> list:
+        return [v for m in self.metrics for v in m.variables]
 
     def reset(self) -> None:
         for m in self.metrics:
             m.reset_state()
 
+    def update(self, y, y_pred, losses, weight=None) -> None:
+        """This worker's samples: per-sample ``losses``, or a batch's mean loss with its ``weight`` (its size)."""
+        if self.graphs is None:
+            self._update(y, y_pred, losses, weight)  # eagerly first: the compiled metrics build their variables
+            self.graphs = (tf.function(self._update, reduce_retracing=True), tf.function(self._flat),
+                           tf.function(self._from_sums))
+        else:
+            self.graphs[0](y, y_pred, losses, weight)
+
+    def _update(self, y, y_pred, losses, weight) -> None:
+        dtype = self.tracker.dtype  # a Python float would enter Keras as float32
+        self.tracker.update_state(tf.cast(losses, dtype), None if weight is None else tf.cast(weight, dtype))
+        for m in self.metrics[1:]:
+            m.update_state(y, y_pred)
+
     def results(self, prefix: str = "") -> dict[str, float]:
-        """One SUM all-reduce of every metric's state; the results from the sums; this worker's state kept."""
-        variables = [v for m in self.metrics for v in m.variables]
-        local = [np.asarray(v.numpy(), np.float64) for v in variables]
-        flat = np.concatenate([a.ravel() for a in local])
+        """Every worker's states summed; the results from the sums; this worker's own states kept."""
+        _, flat, from_sums = self.graphs
+        local = flat().numpy()
         if self.gather is None:  # the same width on every worker: the same compiled metrics
             s = self.session
-            self.gather = Gather(s.strategy, s.rank, s.world_size, flat.size)
-        total, at = self.gather(flat.tolist()).sum(axis=0), 0
-        for v, a in zip(variables, local):
-            v.assign(total[at : at + a.size].reshape(a.shape).astype(v.dtype))
-            at += a.size
+            self.gather = Gather(s.strategy, s.rank, s.world_size, local.size)
+        logs = from_sums(tf.constant(self.gather(local.tolist()).sum(axis=0)))
+        return {f"{prefix}{k}": float(v) for k, v in logs.items()}
+
+    def _flat(self):
+        return tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in self.variables], 0)
+
+    def _from_sums(self, total):
+        variables = self.variables
+        saved = [tf.identity(v.value) for v in variables]
+        at = 0
+        for v in variables:
+            size = int(np.prod(v.shape))
+            v.assign(tf.cast(tf.reshape(total[at : at + size], v.shape), v.dtype))
+            at += size
         logs = {}
         for m in self.metrics:
             result = m.result()
-            logs.update({f"{prefix}{k}": float(r) for k, r in result.items()} if isinstance(result, dict)
-                        else {f"{prefix}{m.name}": float(result)})
-        for v, a in zip(variables, local):
-            v.assign(a.astype(v.dtype))
+            logs.update(result if isinstance(result, dict) else {m.name: result})
+        with tf.control_dependencies(list(logs.values())):
+            for v, value in zip(variables, saved):
+                v.assign(value)
         return logs
 
 
@@ -173,8 +205,7 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
     session.set_total_steps(total)
     loader = session.data(x, y)
     session.wrap(model, model.optimizer, loss, step=FitStep)
-    compiled = getattr(model, "_compile_metrics", None)
-    metrics = Reduced(session, [keras.metrics.Mean(name="loss"), *([compiled] if compiled is not None else [])])
+    metrics = Reduced(session, getattr(model, "_compile_metrics", None))
     history = next(c for c in hooks.callbacks if isinstance(c, keras.callbacks.History))
     batches = itertools.chain.from_iterable(loader for _ in itertools.count())  # each pass: the next data epoch
     model.stop_training = False
@@ -187,10 +218,7 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
             hooks.on_train_batch_begin(batch)
             xb, yb = next(batches)
             step_loss = session.step(xb, yb)
-            tracker = metrics.metrics[0]  # a Python float would enter Keras as float32
-            tracker.update_state(np.asarray(step_loss, tracker.dtype), sample_weight=np.asarray(len(xb), tracker.dtype))
-            if compiled is not None:
-                compiled.update_state(yb, session.train_step.predictions)
+            metrics.update(yb, session.train_step.predictions, np.float64(step_loss), np.float64(len(xb)))
             logs = metrics.results()
             hooks.on_train_batch_end(batch, logs)
             if model.stop_training or session.should_stop:
@@ -276,13 +304,10 @@ def evaluate(session, metrics: Reduced, x: np.ndarray, y: np.ndarray, batch_size
     lo = sum(cut[: session.rank])
     hi, size = lo + cut[session.rank], batch_size or session.global_batch
     metrics.reset()
-    loss_fn, tracker, compiled = session.train_step.loss, metrics.metrics[0], metrics.metrics[1:]
     for start in range(lo, hi, size):
         xb, yb = x[start : min(hi, start + size)], y[start : min(hi, start + size)]
         pred = session.model(xb, training=False)
-        tracker.update_state(loss_fn(yb, pred))
-        for m in compiled:
-            m.update_state(yb, pred)
+        metrics.update(yb, pred, session.train_step.loss(yb, pred))
     logs = metrics.results("val_")
     metrics.reset()
     return logs
