@@ -2,9 +2,13 @@
 
 The tutorial's script with its ``MultiWorkerMirroredStrategy`` replaced by
 ``omnilearn.tf.setup()``, its dataset left unbatched (OmniLearn cuts each
-global batch per worker, by speed) and ``model.fit`` by ``ol.fit``. Each
-worker is a process started with ``TF_CONFIG``, as in the tutorial; here two
-on this machine, worker 1 emulated at half speed::
+global batch per worker, by speed) and ``model.fit`` by ``ol.fit``. Two
+workers on this machine, worker 1 emulated at half speed::
+
+    omnilearn launch --workers 2 --speeds 2,1 --out runs/kf examples/keras_fit.py --checkpoint runs/kf/best.weights.h5
+
+Each worker is a process with its ``TF_CONFIG``, as in the tutorial; on
+several machines start one per machine by hand (here, by hand on one)::
 
     W='"worker": ["localhost:23456", "localhost:23457"]'
     TF_CONFIG="{\"cluster\": {$W}, \"task\": {\"type\": \"worker\", \"index\": 0}}" \
@@ -34,7 +38,8 @@ import omnilearn.tf  # OmniLearn
 parser = argparse.ArgumentParser()
 parser.add_argument("--speeds", default=None, help="relative worker speeds, e.g. 2,1 (emulated)")
 parser.add_argument("--epochs", type=int, default=3)
-parser.add_argument("--out", default=None, help="run directory (written by worker 0)")
+parser.add_argument("--out", default=None, help="run directory (written by worker 0; omnilearn launch gives it)")
+parser.add_argument("--checkpoint", default=None, help="the best weights' file (default: OUT/best.weights.h5)")
 args = parser.parse_args()
 
 rng = np.random.default_rng(0)
@@ -64,7 +69,7 @@ ol = omnilearn.tf.setup(local_batch=per_worker_batch_size, speeds=args.speeds, o
 with ol.scope():  # OmniLearn
     model = build_and_compile_model()
 
-checkpoint = os.path.join(args.out or ".", "best.weights.h5")
+checkpoint = args.checkpoint or os.path.join(args.out or ".", "best.weights.h5")
 callbacks = [keras.callbacks.ModelCheckpoint(checkpoint, save_weights_only=True, save_best_only=True),
              keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.8 if epoch else rate)]
 history = ol.fit(model, train_dataset(), epochs=args.epochs, steps_per_epoch=16,  # OmniLearn
