@@ -12,7 +12,11 @@
             ol.step(x, y)
     ol.finish()
 
-The whole example is in :mod:`omnilearn.tf.session`; ``omnilearn train
+A compiled Keras model trains with ``history = ol.fit(model, dataset, epochs=..., callbacks=[...])``
+instead (:mod:`omnilearn.tf.fit`; ``dataset``: arrays or an unbatched ``tf.data.Dataset``,
+:mod:`omnilearn.tf.data`); ``omnilearn launch script.py`` starts a script's local workers.
+
+The whole loop example is in :mod:`omnilearn.tf.session`; ``omnilearn train
 --framework tensorflow`` runs the default job on it. TensorFlow is imported
 by :func:`setup` (and :mod:`~omnilearn.tf.session`, :mod:`~omnilearn.tf.steps`),
 not by ``import omnilearn`` nor by this package; nothing here imports torch.
