@@ -247,7 +247,7 @@ def test_a_3x_slower_sharded_rank_is_measured_3x_slower_and_its_batch_moves_to_t
     assert abs(fast["step_s"] / slow["step_s"] - 1) < 0.25
     # ... yet the compute each measures leaves the waits in FSDP's collectives out: 3x emulated, 2-3x measured
     # (with the waits in, 1.0; on a loaded 2-core host the fast rank's wall compute runs above its CPU time,
-    # while the emulator makes the slow rank's exactly 3x its CPU time: 2.0 measured at load 4, 3 when idle)
+    # while the emulator makes the slow rank's exactly 3x its CPU time: 1.9-2.2 measured at load 4, 2.8-3.3 idle)
     assert 1.8 < ratio < 4.5, ratio
     assert fast["wait_s"] > slow["wait_s"]
     b0, b1 = fast["last"]
