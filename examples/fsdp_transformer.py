@@ -15,40 +15,20 @@ through DCP with the session's state beside them, so a resumed run
 continues the data where it stopped, at the same or another worker count.
 Every sequence has the same number of tokens, so the mean loss is exact as
 it is (with padding: ``ol.backward(loss, count=n_tokens)``). Nothing is
-downloaded: the data is generated here. docs/fsdp.md explains the rest.
+downloaded: the data is generated locally (sequences.py). docs/fsdp.md explains the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import Dataset
 
 import omnilearn  # OmniLearn
-
-
-class Sequences(Dataset):
-    """Token sequences of a Markov chain with a clear next-token rule (the loss can fall far below ln(vocab))."""
-
-    def __init__(self, samples: int, length: int = 32, vocab: int = 64, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        x = np.empty((samples, length), dtype=np.int64)
-        x[:, 0] = rng.integers(0, vocab, samples)
-        for t in range(1, length):
-            follow = rng.random(samples) < 0.9
-            x[:, t] = np.where(follow, (x[:, t - 1] * 5 + 3) % vocab, rng.integers(0, vocab, samples))
-        self.x = torch.from_numpy(x)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.x[i]
+from sequences import Sequences  # the examples' token data (same folder)
 
 
 class Block(nn.Module):

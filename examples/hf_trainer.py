@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
-from hf_transformers import Sequences  # the data of the hand-written-loop example (same folder)
+from sequences import Sequences  # the examples' token data (same folder)
 from omnilearn.integrations.hf import OmniLearnTrainer  # OmniLearn
 
 

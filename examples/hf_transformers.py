@@ -4,8 +4,8 @@
     python examples/hf_transformers.py                 # one process
 
 The model is built from a local ``GPT2Config`` (nothing is downloaded); the
-data is a map-style ``Dataset`` of fixed-length token sequences generated
-here. The plain DDP script this starts from uses ``init_process_group``,
+data is a map-style ``Dataset`` of fixed-length token sequences generated locally
+(sequences.py). The plain DDP script this starts from uses ``init_process_group``,
 ``DistributedDataParallel`` and ``DataLoader(..., sampler=DistributedSampler)``.
 OmniLearn lines: 8 (marked ``# OmniLearn``). Every sequence has the same
 number of tokens, so the model's mean loss is exact as it is; with padding,
@@ -16,31 +16,11 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import torch
-from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 import omnilearn  # OmniLearn
-
-
-class Sequences(Dataset):
-    """Token sequences of a Markov chain with a clear next-token rule (the loss can fall far below ln(vocab))."""
-
-    def __init__(self, samples: int, length: int = 32, vocab: int = 64, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        x = np.empty((samples, length), dtype=np.int64)
-        x[:, 0] = rng.integers(0, vocab, samples)
-        for t in range(1, length):
-            follow = rng.random(samples) < 0.9
-            x[:, t] = np.where(follow, (x[:, t - 1] * 5 + 3) % vocab, rng.integers(0, vocab, samples))
-        self.x = torch.from_numpy(x)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.x[i]
+from sequences import Sequences  # the examples' token data (same folder)
 
 
 def main() -> None:
