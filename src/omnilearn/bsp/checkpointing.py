@@ -83,13 +83,9 @@ def save(session: Session, directory: str | Path, objects: dict[str, Any], *, ke
     """Write a checkpoint of the session and ``objects`` (model/optimizer/scheduler); rank 0's path, else None."""
     if not session.interval_ended:
         session.sync_buffers()
-    state = session.state_dict()
-    mine = f"rank{session.rank}"
-    parts = gather_bytes(session.ctx, to_bytes(state.pop(mine)))
+    state = gathered_state(session)
     path, error = None, ""
-    if parts is not None:
-        for rank, data in enumerate(parts):
-            state[f"rank{rank}"] = from_bytes(data)
+    if session.is_main:
         full: dict[str, Any] = {"session": state, "extra": extra or {}}
         for name, obj in objects.items():
             if obj is not None:
@@ -122,6 +118,17 @@ def save_with_shards(session: Session, directory: str | Path, objects: dict[str,
     if session.is_main:
         sharded.sweep_sharded(directory)
     return path
+
+
+def gathered_state(session: Session) -> dict:
+    """``session.state_dict()`` with every rank's own part (``rank<r>``) on rank 0 (a collective: every rank calls
+    it); the other ranks get the state without their part. What every checkpoint of the session holds (ours,
+    Lightning's, Hugging Face's)."""
+    state = session.state_dict()
+    parts = gather_bytes(session.ctx, to_bytes(state.pop(f"rank{session.rank}")))
+    for rank, data in enumerate(parts or []):
+        state[f"rank{rank}"] = from_bytes(data)
+    return state
 
 
 def load(session: Session, directory: str | Path, objects: dict[str, Any]) -> dict | None:

@@ -67,9 +67,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       ) from e
 
 from omnilearn.bsp.setup import setup as setup_session
-from omnilearn.bsp.checkpointing import from_bytes, to_bytes
+from omnilearn.bsp.checkpointing import gathered_state
 from omnilearn.config import ConfigError
-from omnilearn.distributed.collect import gather_bytes
 
 SESSION_FILE = "omnilearn_session.pt"  # in each checkpoint folder: the session state of every rank
 
@@ -259,12 +258,9 @@ class OmniLearnTrainer(Trainer):
         if not self.session.interval_ended:
             self.session.sync_buffers()
         super()._save_checkpoint(model, trial)
-        state = self.session.state_dict()
-        mine = f"rank{self.session.rank}"
-        parts = gather_bytes(self.session.ctx, to_bytes(state.pop(mine)))
-        if parts is None or not self.args.should_save:
+        state = gathered_state(self.session)  # a collective: every rank
+        if not self.session.is_main or not self.args.should_save:
             return
-        state.update({f"rank{r}": from_bytes(p) for r, p in enumerate(parts)})
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         tmp = os.path.join(folder, SESSION_FILE + ".tmp")
         torch.save(state, tmp)

@@ -65,10 +65,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("omnilearn.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
 import omnilearn
-from omnilearn.bsp.checkpointing import from_bytes, to_bytes
+from omnilearn.bsp.checkpointing import gathered_state
 from omnilearn.bsp.wrap import release
 from omnilearn.config import ConfigError
-from omnilearn.distributed.collect import gather_bytes
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
 from omnilearn.integrations.lightning_options import refuse_sharded, split_options
 
@@ -262,13 +261,3 @@ def continued_run(settings: dict[str, Any], carry: dict | None) -> tuple[dict[st
     if carry is None or out is None or not (Path(out) / "config.toml").is_file():
         return dict(settings), None
     return {k: v for k, v in settings.items() if k not in ("out", "overwrite")}, Path(out)
-
-
-def gathered_state(session: Any) -> dict:
-    """``session.state_dict()`` with every rank's own part (``rank<r>``) on rank 0 (a collective)."""
-    state = session.state_dict()
-    mine = f"rank{session.rank}"
-    parts = gather_bytes(session.ctx, to_bytes(state.pop(mine)))
-    for rank, data in enumerate(parts or []):
-        state[f"rank{rank}"] = from_bytes(data)
-    return state

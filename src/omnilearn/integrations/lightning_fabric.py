@@ -56,7 +56,8 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import omnilearn
 from omnilearn.config import ConfigError
-from omnilearn.integrations.lightning import STATE_KEY, gathered_state
+from omnilearn.bsp.checkpointing import gathered_state
+from omnilearn.integrations.lightning import STATE_KEY
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
 from omnilearn.integrations.lightning_options import FABRIC_ARGS, FABRIC_TAKES, refuse_sharded, split_options
 
