@@ -4,8 +4,8 @@
   each worker gets its ``TF_CONFIG`` and the launcher's settings, worker 0's output is the console, every
   worker's stderr is in ``DIR/tf-worker<R>.log``; the run balances (scripted timings) and learns.
 - A worker that fails stops the others: exit 1 and one line naming it with its log's last line.
-- In-process: a script's own ``speeds`` that disagrees with ``--speeds`` is one line; bad launches are one
-  line and exit 2 before anything starts (a PyTorch script: torchrun).
+- In-process: a script's own ``speeds`` that disagrees with ``--speeds`` is one line; bad launches (bad
+  speeds, counts, paths; a PyTorch script: torchrun) are one line and exit 2 before any worker starts.
 
 Run: ``python -m pytest -q tests/tf/test_tf_launch.py``
 """
@@ -78,7 +78,11 @@ def test_launch_settings_fill_the_script_and_a_disagreement_is_one_line(capsys, 
     (tmp_path / "s.py").write_text("")
     for argv, said in ((["--framework", "pytorch", "x.py"], "a PyTorch script is started by torchrun"),
                        (["missing.py"], "script 'missing.py' is not a file"),
-                       (["--workers", "3", "--speeds", "3,1", str(tmp_path / "s.py")], "--speeds 3,1 has 2 entries")):
+                       (["--workers", "3", "--speeds", "3,1", str(tmp_path / "s.py")], "--speeds 3,1 has 2 entries"),
+                       (["--workers", "3", "--speeds", "HL8", str(tmp_path / "s.py")], "--speeds HL8 has 4 entries"),
+                       (["--speeds", "0,1", str(tmp_path / "s.py")], "speed 0 in '0,1' must be a positive number"),
+                       (["--speeds", "HL9", str(tmp_path / "s.py")], "unknown heterogeneity level 'HL9'"),
+                       (["--workers", "0", str(tmp_path / "s.py")], "--workers 0: give at least 1")):
         assert main(["launch", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("omnilearn: error: ") and said in err and err.count("\n") == 1, err

@@ -31,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from omnilearn.emulation.speeds import speed_count
+from omnilearn.emulation.speeds import BSP_LEVELS, SpeedError, parse_speeds, speed_count
 from omnilearn.experiments.config import ConfigError
 from omnilearn.keywords import LAUNCH_ENV
 from omnilearn.observe.rundir import RUN_FILES, check_out
@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="reuse an --out that already holds a run")
     p.add_argument("--device", choices=("cpu", "auto"), default="cpu", help="cpu (default) hides GPUs from workers")
     p.add_argument("script", help="your training script (it calls omnilearn.tf.setup())")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.add_argument("args", nargs=argparse.REMAINDER, default=[], help="the script's own arguments")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,8 +79,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _workers(workers: int | None, speeds: str | None) -> int:
     count = speed_count(speeds) if speeds else None
+    if speeds and speeds.strip().upper() in BSP_LEVELS:  # a level names its worker count too
+        count = len(BSP_LEVELS[speeds.strip().upper()])
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers {workers}: give at least 1")
     if workers is not None and count is not None and count != workers:
         raise ConfigError(f"--speeds {speeds} has {count} entries for --workers {workers}: give one per worker")
-    return workers or count or 2
+    workers = workers or count or 2
+    if speeds:  # checked here, before any worker starts (the script's setup() would only say so after)
+        try:
+            parse_speeds(speeds, workers, workers_said=f"--workers is {workers}")
+        except SpeedError as e:
+            raise ConfigError(f"--speeds {speeds}: {e}") from None
+    return workers
