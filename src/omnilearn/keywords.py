@@ -24,22 +24,23 @@ DEFAULT_LOCAL_BATCH = 32  # samples per worker per step when neither global_batc
 SETUP_ONLY = frozenset({"total_steps", "local_batch", "handle_signals"})  # setup()'s own keywords, not config fields
 KEYWORDS = frozenset(f.name for f in dataclasses.fields(BalanceConfig)) | SETUP_ONLY
 LAUNCH_ENV = "OMNILEARN_LAUNCH"  # the settings ``omnilearn launch`` gives every worker of a user's script (JSON)
-LAUNCHED = ("speeds", "out")  # the settings it may give
+LAUNCHED = ("speeds", "out", "timeout_s", "checkpoint_every", "keep_checkpoints", "resume")  # the settings it may give
 
 
 def launched(settings: dict[str, Any], environ=os.environ) -> dict[str, Any]:
     """``settings`` with what ``omnilearn launch`` gave (:data:`LAUNCH_ENV`) for the keywords the script left out.
 
     A script that gives one of them itself with another value is a :class:`ConfigError` naming both: the launcher's
-    ``--speeds``/``--out`` and the script's keyword must agree (or drop one).
+    ``--speeds``/``--out``/``--checkpoint-every``... and the script's keyword must agree (or drop one). ``resume``
+    is the launcher's alone (a restart after a failure sets it): the script's own is overridden.
     """
     given = json.loads(environ.get(LAUNCH_ENV) or "{}")
     out = dict(settings)
     for name in LAUNCHED:
         if name not in given:
             continue
-        if settings.get(name) is not None and settings[name] != given[name]:
-            raise ConfigError(f"{name}={settings[name]!r} in the script, but omnilearn launch --{name} "
+        if name != "resume" and settings.get(name) is not None and settings[name] != given[name]:
+            raise ConfigError(f"{name}={settings[name]!r} in the script, but omnilearn launch --{name.replace('_', '-')} "
                               f"{given[name]}: give it in one place")
         out[name] = given[name]
     return out

@@ -89,7 +89,7 @@ def test_scripted_timings_are_parsed_and_checked(monkeypatch):
     (["--mode", "asp"], "has no --mode asp yet"),
     (["--model", "resnet18", "--dataset", "cifar10", "--data-dir", "/nowhere"], "trains --model cnn1d or mlp"),
     (["--accumulation-steps", "2"], "has no --accumulation-steps yet"),
-    (["--checkpoint-every", "10"], "has no --checkpoint-every yet"),
+    (["--loader-workers", "2"], "has no --loader-workers yet"),
     (["--emulator", "affinity"], "has no --emulator affinity yet"),
     (["--framework", "jax"], "invalid choice: 'jax'"),
 ])

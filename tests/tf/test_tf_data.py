@@ -80,7 +80,7 @@ model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
 said(lambda: ol.fit(model, x, y, batch_size=32))
 said(lambda: ol.fit(model, x, y, colour=1))
 said(lambda: ol.fit(model, x, y, validation_freq=0))
-said(lambda: ol.fit(model, x, y, callbacks=[keras.callbacks.BackupAndRestore("/tmp/nowhere")]))
+said(lambda: ol.fit(model, x, y, callbacks=[keras.callbacks.BackupAndRestore(d) for d in ("/tmp/a", "/tmp/b")]))
 said(lambda: ol.fit(model, x))
 wrapped = omnilearn.tf.setup(global_batch=32, handle_signals=False)
 wrapped.wrap(model, model.optimizer, keras.losses.SparseCategoricalCrossentropy())
@@ -96,7 +96,8 @@ def test_a_workers_loader_serves_the_same_batches_from_a_dataset_and_the_api_ref
     said = [line for line in done.stdout.splitlines() if line.startswith("error:")]
     expected = ["pass it unbatched (add .unbatch()", "ol.fit() inside `with ol.scope():`", "compile it first",
                 "fit(batch_size=32): the global batch is omnilearn.tf.setup(global_batch=...)",
-                "unknown keyword colour=1", "fit(validation_freq=0): give a whole number of epochs", "fit(callbacks=[BackupAndRestore]): ol.fit has no resume yet",
+                "unknown keyword colour=1", "fit(validation_freq=0): give a whole number of epochs",
+                "(a second BackupAndRestore); keep one",
                 "give the labels too", "model.fit() on a model OmniLearn balances: call ol.fit(model, data"]
     assert len(said) == len(expected), done.stdout
     for line, words in zip(said, expected):

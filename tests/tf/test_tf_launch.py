@@ -12,11 +12,13 @@ Run: ``python -m pytest -q tests/tf/test_tf_launch.py``
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from omnilearn.config import ConfigError
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "examples"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "tf"))
 from runexample import assert_balanced_and_learning, scripted_timings  # noqa: E402
 
 
@@ -65,6 +68,91 @@ def test_a_failing_worker_stops_the_others_and_is_named(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         f"omnilearn: error: TensorFlow worker 1 failed (exit 1): worker 1 could not read its data "
         f"(log: {tmp_path / 'run' / 'tf-worker1.log'})")
+
+
+NEVER_JOINS = """
+import json, os, time
+if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+    time.sleep(600)  # stuck before it joins: never reaches setup()
+import omnilearn.tf
+omnilearn.tf.setup(global_batch=8)
+"""
+
+
+def test_a_worker_that_never_joins_is_named_after_the_timeout(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text(NEVER_JOINS)
+    start = time.monotonic()
+    done = launch("--workers", "2", "--timeout-s", "6", "--out", str(tmp_path / "run"), str(script), timeout=120)
+    assert done.returncode == 1 and time.monotonic() - start < 100, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("omnilearn: error: TensorFlow worker 0 failed (killed by SIGKILL): worker 0: worker 1 "
+                           "(localhost:"), last  # its watcher ended it: TensorFlow held the GIL, waiting
+    assert "did not join the TensorFlow cluster within 6 s; start it with its TF_CONFIG (task index 1)" in last
+
+
+BACKUP_FIT = """
+import json, os, signal, sys
+from pathlib import Path
+import keras, numpy as np
+import omnilearn.tf
+
+out = Path(sys.argv[1])
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 12))
+y = np.argmax(x @ rng.normal(size=(12, 4)), axis=1)
+ol = omnilearn.tf.setup(global_batch=64, control_interval=4, seed=3)
+keras.utils.set_random_seed(0)
+with ol.scope():
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+class DieOnce(keras.callbacks.Callback):  # worker 1 is killed at step 14, once
+    def on_train_batch_end(self, batch, logs=None):
+        if ol.rank == 1 and ol.next_step == 14 and not (out / "died").exists():
+            (out / "died").write_text("")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+history = ol.fit(model, x, y, epochs=4, callbacks=[
+    keras.callbacks.BackupAndRestore(str(out / "backup"), save_freq=4),
+    keras.callbacks.CSVLogger(str(out / "log.csv"), append=True), DieOnce()])
+if ol.is_main:
+    (out / "history.json").write_text(json.dumps({"epoch": history.epoch, "loss": history.history["loss"]}))
+    np.savez(out / "weights.npz", *model.get_weights())
+"""
+
+
+def test_a_keras_fit_with_backup_and_restore_survives_a_killed_worker(tmp_path):
+    """``fit`` with Keras' ``BackupAndRestore(save_freq=4)`` on 2 launched workers (float64), worker 1 killed at
+    step 14, ``--max-restarts 1``: every worker restarts, the fit resumes at step 12 (epoch 1, batch 4: 8 steps an
+    epoch) and ends with the weights of one uninterrupted process (the same script, no kill); the backup is
+    removed at the end, as Keras removes it."""
+    from test_tf_train import float64_keras_home
+
+    script, out, alone = tmp_path / "backup_fit.py", tmp_path / "run", tmp_path / "alone"
+    script.write_text(BACKUP_FIT)
+    home = {"KERAS_HOME": str(float64_keras_home(tmp_path))}
+    alone.mkdir()
+    (alone / "died").write_text("")
+    solo = subprocess.run([sys.executable, str(script), str(alone)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **home, "TF_CONFIG": ""})
+    assert solo.returncode == 0, solo.stderr[-3000:]
+    out.mkdir()
+    done = launch("--workers", "2", "--speeds", "2,1", "--max-restarts", "1", "--out", str(out), str(script),
+                  str(out), env=home)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "TensorFlow worker 1 failed (killed by SIGKILL)" in done.stderr and "restart 1 of 1" in done.stderr
+    assert "resumed at step 12 with 2 workers" in done.stdout
+    history = json.loads((out / "history.json").read_text())
+    assert history["epoch"] == [1, 2, 3] and not (out / "backup").exists()
+    with np.load(alone / "weights.npz") as a, np.load(out / "weights.npz") as b:
+        for name in a.files:
+            assert a[name].dtype == np.float64
+            relative = np.linalg.norm(b[name] - a[name]) / np.linalg.norm(a[name])
+            assert relative < 1e-12, f"{name}: relative difference {relative:.2e}"
 
 
 def test_launch_settings_fill_the_script_and_a_disagreement_is_one_line(capsys, tmp_path):

@@ -9,6 +9,9 @@ Three runs of the default job, made once for the module, with the recipe of the 
 - ``pt3``: the same plan on the PyTorch runtime (gloo), fed the same timings;
 - ``tf1``: one TensorFlow worker, same seed and global batch.
 
+Two more runs resume ``tf3``'s recipe from a checkpoint: worker 1 killed at step 20 and restarted by
+``--max-restarts 1``, and a run killed there resumed on 2 workers (elastic); both end with ``tf3``'s weights.
+
 The TensorFlow runs compute in float64 (``floatx`` in a ``keras.json`` under
 ``KERAS_HOME``, which every worker process reads). Then: the three TensorFlow
 workers, on uneven and changing batches, end with the weights of the one
@@ -118,6 +121,51 @@ def test_the_tensorflow_run_writes_what_a_pytorch_run_writes(runs):
     assert set(tf["workers"][0]) == set(pt["workers"][0]) and len(tf["workers"]) == 3
     assert (runs / "tf3" / "config.toml").read_text().count('framework = "tensorflow"') == 1
 
+
+def assert_same_weights(ran: Path, reference: Path) -> None:
+    theirs, ours = weights(reference), weights(ran)
+    assert set(ours) == set(theirs) and {a.dtype for a in ours.values()} == {np.dtype("float64")}
+    for name, a in theirs.items():
+        relative = np.linalg.norm(ours[name] - a) / np.linalg.norm(a)
+        assert relative < 1e-12, f"{name}: relative difference {relative:.2e}"
+
+
+def test_a_killed_worker_is_restarted_from_the_checkpoint_and_the_run_ends_with_the_uninterrupted_weights(
+        runs, monkeypatch, capsys):
+    """``tf3`` again with a checkpoint every 12 steps, worker 1 killed at step 20, ``--max-restarts 1``: every
+    worker restarts from the checkpoint of step 12, trains on the same split as the uninterrupted run (the
+    controller's state is in the checkpoint) and ends with its weights."""
+    monkeypatch.setenv("KERAS_HOME", str(runs / "keras-float64"))
+    monkeypatch.setenv(SCRIPTED_ENV, SCRIPTED)
+    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "1:20")
+    out = runs / "restarted"
+    summary = train(out, "--framework", "tensorflow", "--speeds", "4,2,1", *STEPS, "--checkpoint-every", "12",
+                    "--max-restarts", "1")
+    err = capsys.readouterr().err
+    assert "TensorFlow worker 1 failed (killed by SIGKILL)" in err and "restart 1 of 1 from the checkpoint of step 12" \
+        in err, err[-3000:]
+    assert [e["step"] for e in events(out, "resume")] == [12] and summary["steps"] == 36
+    assert (out / "failures" / "attempt-1" / "tf-worker1.log").exists()
+    splits = lambda name: [(e["step"], e["rank"], e["batch"]) for e in events(runs / name, "step") if e["step"] >= 12]
+    assert splits("restarted")[-3 * 24:] == splits("tf3")  # the same split after the resume: a fixed path
+    assert_same_weights(out, runs / "tf3")
+
+
+def test_a_run_of_three_workers_resumes_on_two_and_ends_with_the_uninterrupted_weights(runs, monkeypatch):
+    """Elastic: ``tf3`` killed at step 20 (no restart), then ``--resume --workers 2``: the global batch and the
+    samples of every step are the same, so the weights are too (float64: only the sum's order differs)."""
+    monkeypatch.setenv("KERAS_HOME", str(runs / "keras-float64"))
+    monkeypatch.setenv(SCRIPTED_ENV, SCRIPTED)
+    out = runs / "elastic"
+    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "1:20")
+    assert main(["train", "--out", str(out), "--framework", "tensorflow", "--speeds", "4,2,1", *STEPS,
+                 "--checkpoint-every", "12"]) == 1
+    monkeypatch.delenv("OMNILEARN_FAULT_KILL_AT")
+    monkeypatch.setenv(SCRIPTED_ENV, "0.01:0.0001,0.0004")
+    summary = train(out, "--framework", "tensorflow", "--resume", "--workers", "2", "--speeds", "2,1")
+    assert [(e["step"], e["workers"], e["from_workers"]) for e in events(out, "resume")] == [(12, 2, 3)]
+    assert summary["steps"] == 36 and {e["rank"] for e in events(out, "step") if e["step"] >= 30} == {0, 1}
+    assert_same_weights(out, runs / "tf3")
 
 
 def test_workers_started_by_hand_with_their_own_tf_config_make_one_run(tmp_path):

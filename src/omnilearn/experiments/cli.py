@@ -325,7 +325,8 @@ def _train_tensorflow(cfg: TrainConfig, args: argparse.Namespace) -> int:
         from omnilearn.experiments import tfjob
 
         main_worker = preflight.writes_run_dir(cfg)
-        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if main_worker else None
+        run_dir = Path(cfg.out) if cfg.resume else prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if main_worker \
+            else None
         tfjob.train(cfg, run_dir)
         if main_worker and getattr(args, "plots", True):
             _plots(run_dir)
@@ -333,7 +334,7 @@ def _train_tensorflow(cfg: TrainConfig, args: argparse.Namespace) -> int:
     from omnilearn.experiments import tflaunch
 
     steps = workload.look(cfg)  # fail fast (data, model, run length) before any process starts
-    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
+    run_dir = Path(cfg.out) if cfg.resume else prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
     _announce(cfg, steps, run_dir, " TensorFlow")
     tflaunch.run_local(cfg, run_dir)
     if getattr(args, "plots", True):

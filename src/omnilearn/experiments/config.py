@@ -149,15 +149,13 @@ class TrainConfig(BalanceConfig):
             raise ConfigError(f"--framework tensorflow trains --model cnn1d or mlp on --dataset mnist1d (got "
                               f"{self.model} on {self.dataset}); for your own Keras model use omnilearn.tf "
                               "(docs/tensorflow.md)")
-        missing = {"--mode asp": self.mode == "asp", "--resume": self.resume, "--max-restarts": self.max_restarts,
-                   "--checkpoint-every": self.checkpoint_every != TrainConfig.checkpoint_every,
-                   "--accumulation-steps": self.accumulation_steps != 1, "--max-batch auto": self.max_batch == AUTO,
+        missing = {"--mode asp": self.mode == "asp", "--accumulation-steps": self.accumulation_steps != 1, "--max-batch auto": self.max_batch == AUTO,
                    f"--emulator {self.emulator}": self.emulator not in ("delay", "none"),
                    "--loader-workers": self.loader_workers, "--device cuda": self.device == "cuda",
                    "--weight-decay with --optimizer sgd": self.weight_decay and self.optimizer == "sgd"}
         said = [flag for flag, asked in missing.items() if asked]
         if said:
-            raise ConfigError(f"--framework tensorflow has no {said[0]} yet (BSP, delay emulation, no checkpoints: "
+            raise ConfigError(f"--framework tensorflow has no {said[0]} yet (BSP, delay emulation: "
                               "docs/tensorflow.md); drop it or use the PyTorch runtime")
 
     @property

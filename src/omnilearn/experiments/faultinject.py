@@ -1,9 +1,11 @@
-"""Fault injection for tests: ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` makes that rank SIGKILL itself at ``step``.
+"""Fault injection for tests: ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` makes that rank SIGKILL itself at ``step``;
+``OMNILEARN_FAULT_HANG_AT=<rank>:<step>`` makes it SIGSTOP itself there (a hung worker, for the TensorFlow job's
+watchdog).
 
 With ``OMNILEARN_FAULT_STAMP=<file>`` it first writes the time into that file
 (:mod:`omnilearn.experiments.faultbench` measures the time to resume from it).
-The PyTorch trainer skips it in a resumed run (so a restarted run goes past
-it); the TensorFlow job has no resume. No torch here.
+The trainers skip both in a resumed run (so a restarted run goes past them).
+No torch here.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import time
 from pathlib import Path
 
 
-def kill_step(rank: int) -> int | None:
+def kill_step(rank: int, variable: str = "OMNILEARN_FAULT_KILL_AT") -> int | None:
     """The step at which ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` kills this rank, if it names this rank."""
-    spec = os.environ.get("OMNILEARN_FAULT_KILL_AT")
+    spec = os.environ.get(variable)
     if not spec:
         return None
     target, _, step = spec.partition(":")
@@ -29,3 +31,13 @@ def die() -> None:
     if stamp:
         Path(stamp).write_text(f"{time.time():.6f}")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_step(rank: int) -> int | None:
+    """The step at which ``OMNILEARN_FAULT_HANG_AT=<rank>:<step>`` stops this rank, if it names this rank."""
+    return kill_step(rank, "OMNILEARN_FAULT_HANG_AT")
+
+
+def freeze() -> None:
+    """SIGSTOP this process: every thread stops, heartbeats too, until SIGCONT or SIGKILL."""
+    os.kill(os.getpid(), signal.SIGSTOP)

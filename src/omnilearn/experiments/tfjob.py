@@ -12,8 +12,12 @@ normalised arrays, :mod:`omnilearn.experiments.datasets.mnist1d`), the same
 multistep or constant rate per step, one evaluation over the test split per
 epoch. The loop is what any user of :mod:`omnilearn.tf.session` writes.
 SIGTERM/SIGINT stop every worker after the same step (the next control
-interval's end). ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` (tests) kills a
-worker there (:mod:`omnilearn.experiments.faultinject`). Nothing here imports torch.
+interval's end) after a checkpoint; ``--checkpoint-every`` saves one every
+N steps into ``RUN_DIR/checkpoints`` and ``--resume`` (or a restart of the
+launcher's) loads the newest (:mod:`omnilearn.tf.checkpointing`).
+``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` (tests) kills a worker there,
+``OMNILEARN_FAULT_HANG_AT`` stops it (:mod:`omnilearn.experiments.faultinject`).
+Nothing here imports torch.
 
 Exit status: 0 done, 2 a setting this runtime refuses (one ``omnilearn:
 error:`` line), 128 + the signal when stopped, 1 anything else (its last
@@ -24,6 +28,7 @@ Run: ``python -m pytest -q tests/tf``
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -31,10 +36,13 @@ from pathlib import Path
 
 from omnilearn.config import ConfigError
 from omnilearn.experiments import faultinject
-from omnilearn.experiments.config import TrainConfig, build, load_toml
+from omnilearn.experiments.config import TrainConfig, build, load_toml, normalise_keys
 from omnilearn.experiments.datasets.mnist1d import mnist1d_arrays
 from omnilearn.observe.console import startup, took
 from omnilearn.stopping import Stopped, install_handlers, reason, signal_number
+from omnilearn.tomlfile import loads
+
+JOB_CONFIG_ENV = "OMNILEARN_TFJOB_CONFIG"  # the launcher's settings for this attempt (TOML)
 
 
 def total_steps(cfg: TrainConfig, samples: int) -> int:
@@ -88,28 +96,47 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict | None:
     x, y = arrays["x"], arrays["y"]
     steps = total_steps(cfg, len(x))
     session = oltf.TFSession(cfg, cluster, strategy, run_dir if cluster.is_main else None, steps)
+    if cfg.checkpoint_every or cfg.resume:
+        if run_dir is None and cfg.out is None:
+            raise ConfigError("checkpoints go to the run directory: give every worker the same --out (storage "
+                              "they all see), or --checkpoint-every 0")
+        where = Path(cfg.out) if run_dir is None else run_dir
+        session.checkpoint_to(where / "checkpoints", cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume)
     keras.utils.set_random_seed(cfg.seed)  # the same initial weights on every worker
     with session.scope():
         model = build_model(cfg, x.shape[1], 10)
         optimizer = make_optimizer(cfg, steps, max(1, len(x) // cfg.global_batch))
     session.wrap(model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     loader = session.data(x, y)
-    say(f"training starts: {steps} steps, {session.run.steps_per_epoch} per epoch; a progress line every "
+    verb = f"resumes at step {session.next_step} of" if session.next_step else "starts:"
+    say(f"training {verb} {steps} steps, {session.run.steps_per_epoch} per epoch; a progress line every "
         f"{cfg.control_interval} steps (the control interval)")
-    kill_at = faultinject.kill_step(cluster.rank)
-    for epoch in range(session.epochs):
+    kill_at = faultinject.kill_step(cluster.rank) if not cfg.resume else None
+    hang_at = faultinject.hang_step(cluster.rank) if not cfg.resume else None
+    for epoch in range(session.epoch, session.epochs):
         loader.set_epoch(epoch)
         for xb, yb in loader:
             session.step(xb, yb)
             if kill_at is not None and session.next_step >= kill_at:
                 faultinject.die()
+            if hang_at is not None and session.next_step >= hang_at:
+                faultinject.freeze()
             if session.should_stop and not session.rows:
-                raise Stopped(f"{reason() or 'a stop signal'}: stopped at step {session.next_step} (the TensorFlow "
-                              "runtime keeps no checkpoint yet)")
+                saved = "after a checkpoint; continue with --resume" if session.checkpoints else "(no checkpoint)"
+                raise Stopped(f"{reason() or 'a stop signal'}: stopped at step {session.next_step} {saved}")
         with session.paused():
             loss, accuracy = session.evaluate(arrays["x_test"], arrays["y_test"])
         session.log_eval(loss, accuracy, epoch)
     return session.finish()
+
+
+def job_settings(run_dir: Path) -> dict:
+    """This attempt's settings from the launcher (another ``--workers`` on a resume), else the run's config.toml."""
+    text = os.environ.get(JOB_CONFIG_ENV)
+    if not text:
+        return load_toml(str(run_dir / "config.toml"))
+    doc = loads(text)
+    return normalise_keys(doc.get("train", doc), JOB_CONFIG_ENV)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         from omnilearn.tf.cluster import from_env
 
         rank = str(from_env().rank)
-        cfg = build(load_toml(str(run_dir / "config.toml")), {})
+        cfg = build(job_settings(run_dir), {})
         train(cfg, run_dir)
         return 0
     except ConfigError as e:

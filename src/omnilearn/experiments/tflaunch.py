@@ -8,10 +8,13 @@ TensorFlow user would start one on several machines. Worker 0's standard
 output is the run's console; every worker's standard error (TensorFlow's
 own messages, a traceback) goes to ``RUN_DIR/tf-worker<R>.log``.
 
-When a worker exits badly, the others (waiting in a collective for it,
+When a worker exits badly, or stops beating for ``--heartbeat-s`` (hung:
+:mod:`omnilearn.tf.liveness`), the others (waiting in a collective for it,
 which would end in the strategy's timeout) get SIGTERM, then SIGKILL after
 :data:`GRACE_S`, and :class:`~omnilearn.experiments.supervise.WorkerFailed`
-names the first worker that failed with the last line of its log. SIGINT
+names the first worker that failed with the last line of its log; with
+``--max-restarts K`` every worker starts again from the newest checkpoint,
+up to K times (:func:`with_restarts`). SIGINT
 or SIGTERM to the launcher stops every worker the same way
 (:class:`~omnilearn.experiments.supervise.Interrupted`). Worker processes
 sit in their own process group and die with the launcher (parent-death signal).
@@ -22,17 +25,26 @@ Run: ``python -m pytest -q tests/tf/test_tf_train.py``
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
+from omnilearn.config import dump_toml
 from omnilearn.experiments.config import TrainConfig
+from omnilearn.experiments.tfjob import JOB_CONFIG_ENV
 from omnilearn.experiments.supervise import Interrupted, SignalTrap, WorkerFailed, signal_name
 from omnilearn.observe.console import startup
+from omnilearn.observe.recorder import FAILED_AT_ENV
+from omnilearn.tf import liveness
 from omnilearn.tf.cluster import LOCAL_WORKERS_ENV, free_ports, local_config
+from omnilearn.tf.liveness import BEAT_DIR_ENV
+
 
 GRACE_S = 3.0  # after SIGTERM: time to leave a collective, then SIGKILL
 POLL_S = 0.1
@@ -67,10 +79,15 @@ def start(workers: int, device: str, run_dir: Path, command: list[str],
     return procs
 
 
+_NOISE = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|WARNING: All log messages before absl|To enable the following "
+                    r"instructions)")  # TensorFlow's own start-up lines (glog/absl), never what failed
+
+
 def last_line(path: Path) -> str:
-    """The log's last ``omnilearn:`` line (what failed), else its last line."""
+    """The log's last ``omnilearn:`` line (what failed), else its last line that is not TensorFlow's start-up noise."""
     try:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        lines = [line for line in path.read_text(errors="replace").splitlines()
+                 if line.strip() and not _NOISE.match(line)]
     except OSError:
         return ""
     said = [line for line in lines if line.startswith("omnilearn:")]
@@ -92,20 +109,52 @@ def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
 
 
 def run_local(cfg: TrainConfig, run_dir: Path) -> None:
-    """Run the workers of ``omnilearn train --framework tensorflow`` to the end (see :func:`supervise`)."""
-    supervise(cfg.workers, cfg.device, run_dir, [sys.executable, "-m", "omnilearn.experiments.tfjob", str(run_dir)],
-              quiet=cfg.quiet)
+    """Run the workers of ``omnilearn train --framework tensorflow`` to the end, restarting them from the newest
+    checkpoint after a failure up to ``--max-restarts`` times (see :func:`with_restarts`)."""
+    def attempt(resume: bool) -> None:
+        settings = dump_toml(dataclasses.replace(cfg, resume=resume))  # this attempt's: --workers may differ
+        supervise(cfg.workers, cfg.device, run_dir, [sys.executable, "-m", "omnilearn.experiments.tfjob",
+                  str(run_dir)], {JOB_CONFIG_ENV: settings}, quiet=cfg.quiet, heartbeat_s=cfg.heartbeat_s)
+
+    with_restarts(attempt, run_dir, cfg.max_restarts, cfg.resume)
+
+
+def with_restarts(attempt: Callable[[bool], None], run_dir: Path, max_restarts: int, resume: bool) -> None:
+    """``attempt(resume)``; after a worker failure (never a stop asked for), again with ``resume=True`` up to
+    ``max_restarts`` times. The failed attempt's worker logs move to ``RUN_DIR/failures/attempt-<k>/``."""
+    restarts = 0
+    while True:
+        try:
+            attempt(resume)
+            return
+        except WorkerFailed as e:
+            if restarts >= max_restarts or isinstance(e, Interrupted):
+                raise
+            restarts, resume = restarts + 1, True
+            kept = run_dir / "failures" / f"attempt-{restarts}"
+            kept.mkdir(parents=True, exist_ok=True)
+            for log in run_dir.glob("tf-worker*.log"):
+                log.replace(kept / log.name)
+            steps = sorted(run_dir.glob("checkpoints/step-*/session.json"))
+            where = f"the checkpoint of step {int(steps[-1].parent.name[5:])}" if steps else "step 0 (no checkpoint yet)"
+            print(f"omnilearn: {e}; restart {restarts} of {max_restarts} from {where} (logs kept in {kept})",
+                  file=sys.stderr, flush=True)
+            os.environ[FAILED_AT_ENV] = f"{time.time():.6f}"  # the resumed run reports the time it took
 
 
 def supervise(workers: int, device: str, run_dir: Path, command: list[str], extra_env: dict[str, str] | None = None,
-              quiet: bool = False) -> None:
+              quiet: bool = False, heartbeat_s: float | None = None) -> None:
     """Run ``command`` as ``workers`` TensorFlow workers to the end; raise WorkerFailed (or Interrupted) naming the
-    cause. Also the launcher of a user's own script (:mod:`omnilearn.experiments.userlaunch`)."""
+    cause: a worker that exits badly, or one silent for ``heartbeat_s`` (:func:`omnilearn.tf.liveness.silent`).
+    Also the launcher of a user's own script (:mod:`omnilearn.experiments.userlaunch`)."""
     startup(f"starting {workers} TensorFlow worker processes (tf.distribute MultiWorkerMirroredStrategy; "
             f"each imports TensorFlow: seconds); their logs: {log_path(run_dir, 0).name} ...", quiet)
     first: int | None = None  # the first worker seen ending badly (the others are stopped after it)
+    for old in run_dir.glob(".beat-*"):
+        old.unlink(missing_ok=True)
+    env = {**(extra_env or {}), **({BEAT_DIR_ENV: str(run_dir)} if heartbeat_s else {})}
     with SignalTrap() as trap:
-        procs = start(workers, device, run_dir, command, extra_env)
+        procs = start(workers, device, run_dir, command, env)
         try:
             while any(p.poll() is None for p in procs):
                 if trap.received:
@@ -116,10 +165,20 @@ def supervise(workers: int, device: str, run_dir: Path, command: list[str], extr
                 if failed:
                     first = failed[0]
                     break
+                running = [r for r, p in enumerate(procs) if p.poll() is None]
+                hung = liveness.silent(run_dir, running, heartbeat_s) if heartbeat_s else []
+                if hung:
+                    stop(procs)
+                    rank, age = hung[0]
+                    raise WorkerFailed(f"TensorFlow worker {rank} hung: no heartbeat for {age:.0f} s (stopped, frozen "
+                                       f"or swapped out; --heartbeat-s {heartbeat_s:g}); every worker was stopped "
+                                       f"(log: {log_path(run_dir, rank)})")
                 time.sleep(POLL_S)
         finally:
             if any(p.poll() is None for p in procs):
                 stop(procs)
+            for beat in run_dir.glob(".beat-*"):
+                beat.unlink(missing_ok=True)
     _outcome(procs, run_dir, first)
 
 

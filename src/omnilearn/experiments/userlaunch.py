@@ -31,6 +31,7 @@ import json
 import sys
 from pathlib import Path
 
+from omnilearn.config import MAX_TIMEOUT_S, BalanceConfig
 from omnilearn.emulation.speeds import BSP_LEVELS, SpeedError, parse_speeds, speed_count
 from omnilearn.experiments.config import ConfigError
 from omnilearn.keywords import LAUNCH_ENV
@@ -47,6 +48,20 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="the run directory (default runs/<time>): the script's records and worker logs")
     p.add_argument("--overwrite", action="store_true", help="reuse an --out that already holds a run")
     p.add_argument("--device", choices=("cpu", "auto"), default="cpu", help="cpu (default) hides GPUs from workers")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps into OUT/checkpoints (default 0: only at a stop asked for)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="checkpoints kept (default 3)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint "
+                   "(another --workers too)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="after a worker fails or hangs, start every worker again from the newest checkpoint, up to "
+                   "K times (default 0)")
+    p.add_argument("--heartbeat-s", type=float, default=BalanceConfig.heartbeat_s, metavar="S",
+                   help=f"a worker silent this long is hung: named, every worker stopped (default "
+                   f"{BalanceConfig.heartbeat_s:g})")
+    p.add_argument("--timeout-s", type=float, metavar="S",
+                   help=f"a worker that has not joined the cluster by then is named, and a collective waits this "
+                   f"long (default {BalanceConfig.timeout_s:g})")
     p.add_argument("script", help="your training script (it calls omnilearn.tf.setup())")
     p.add_argument("args", nargs=argparse.REMAINDER, default=[], help="the script's own arguments")
 
@@ -64,17 +79,42 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("omnilearn launch --framework tensorflow needs TensorFlow: pip install "
                           "'omnilearn-hetero[tensorflow]'")
     workers = _workers(args.workers, args.speeds)
-    out = check_out(args.out, args.overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.overwrite:  # the script's setup() then finds no run here
-        for name in RUN_FILES:
-            (out / name).unlink(missing_ok=True)
-    given = {"out": str(out), **({"speeds": args.speeds} if args.speeds else {})}
+    _check_numbers(args)
+    if args.resume:
+        out = Path(args.out or "")
+        if args.out is None or not (out / "config.toml").is_file():
+            raise ConfigError(f"--resume: --out {args.out!r} holds no run (no config.toml); give the run's directory, "
+                              "or start a new run without --resume")
+    else:
+        out = check_out(args.out, args.overwrite)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.overwrite:  # the script's setup() then finds no run here
+            for name in RUN_FILES:
+                (out / name).unlink(missing_ok=True)
+    given = {"out": str(out), **({"timeout_s": args.timeout_s} if args.timeout_s else {}),
+             **({"speeds": args.speeds} if args.speeds else {}),
+             **({"checkpoint_every": args.checkpoint_every, "keep_checkpoints": args.keep_checkpoints}
+                if args.checkpoint_every else {})}
     print(f"omnilearn: {workers} TensorFlow workers of {script}{' ' + ' '.join(args.args) if args.args else ''}; "
           f"run directory {out}", flush=True)
-    tflaunch.supervise(workers, args.device, out, [sys.executable, str(script), *args.args],
-                       {LAUNCH_ENV: json.dumps(given)})
+
+    def attempt(resume: bool) -> None:
+        resume = resume and (out / "config.toml").is_file()  # a failure before worker 0's setup(): start afresh
+        tflaunch.supervise(workers, args.device, out, [sys.executable, str(script), *args.args],
+                           {LAUNCH_ENV: json.dumps({**given, "resume": resume})}, heartbeat_s=args.heartbeat_s)
+
+    tflaunch.with_restarts(attempt, out, args.max_restarts, args.resume)
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--checkpoint-every", args.checkpoint_every, 0), ("--keep-checkpoints",
+                             args.keep_checkpoints, 1), ("--max-restarts", args.max_restarts, 0)):
+        if value < low:
+            raise ConfigError(f"{flag} {value}: give at least {low}")
+    for flag, value in (("--heartbeat-s", args.heartbeat_s), ("--timeout-s", args.timeout_s)):
+        if value is not None and not 0 < value <= MAX_TIMEOUT_S:
+            raise ConfigError(f"{flag} {value:g}: give seconds in (0, {MAX_TIMEOUT_S:g}]")
 
 
 def _workers(workers: int | None, speeds: str | None) -> int:

@@ -11,6 +11,7 @@ Run: ``python -m pytest -q tests/tf``
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from omnilearn import stopping
@@ -27,10 +28,16 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
 
     ``handle_signals``: SIGTERM (and SIGINT with peers) set ``should_stop`` on every worker after the same step,
     as in ``omnilearn.setup()`` (:func:`omnilearn.stopping.handle_for_run`).
+    ``checkpoint_every=N`` (steps; needs ``out``), ``keep_checkpoints=K``, ``resume=True``: checkpoints in
+    ``out/checkpoints``, and the newest loaded before training (:meth:`TFSession.checkpoint_to`); ``omnilearn
+    launch`` gives them from its flags.
     """
     try:
-        settings = launched(settings)  # --speeds/--out of ``omnilearn launch`` (omnilearn.experiments.userlaunch)
+        settings = launched(settings)  # the flags of ``omnilearn launch`` (omnilearn.experiments.userlaunch)
+        every, keep = settings.pop("checkpoint_every", 0), settings.pop("keep_checkpoints", 3)
+        resume = settings.pop("resume", False)
         check_keywords("omnilearn.tf.setup()", settings, local_batch, handle_signals)
+        check_checkpointing(settings.get("out") or getattr(config, "out", None), every, resume)
         first = dataclasses.replace(config, **settings) if config is not None else BalanceConfig(**settings)
         check_supported(first)
         cluster = from_env()  # the world size, from TF_CONFIG alone: settings are checked before TensorFlow starts
@@ -39,8 +46,24 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     except ConfigError as e:
         raise ConfigError(api_wording(str(e), KEYWORDS)) from None
     strategy = make_strategy(cluster, cfg.timeout_s)
-    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if cfg.out is not None and cluster.is_main else None
+    run_dir = None
+    if cfg.out is not None and cluster.is_main:
+        run_dir = Path(cfg.out) if resume else prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
     session = TFSession(cfg, cluster, strategy, run_dir, total_steps)
+    if every or resume:
+        session.checkpoint_to(Path(cfg.out) / "checkpoints", every, keep, resume)
     if handle_signals:
         stopping.handle_for_run(cluster.world_size, cluster.is_main, "omnilearn.tf.setup()")
     return session
+
+
+def check_checkpointing(out: str | None, every: Any, resume: Any) -> None:
+    """``checkpoint_every``/``resume`` need ``out`` (the run directory); ``resume`` one that holds a run."""
+    if type(resume) is not bool:
+        raise ConfigError(f"resume={resume!r} must be True or False")
+    if (every or resume) and out is None:
+        raise ConfigError(f"{'resume=True' if resume else f'checkpoint_every={every}'} needs out=: the run directory "
+                          "that holds the checkpoints")
+    if resume and not (Path(out) / "config.toml").is_file():
+        raise ConfigError(f"resume=True: out={str(out)!r} holds no run (no config.toml); check out=, or start a new "
+                          "run without resume")

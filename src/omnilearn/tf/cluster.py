@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from omnilearn.config import ConfigError
+from omnilearn.tf import liveness
 
 LOCAL_WORKERS_ENV = "OMNILEARN_LOCAL_WORKERS"  # set by the local launcher: workers on this host
 
@@ -124,6 +127,9 @@ def make_strategy(cluster: Cluster, timeout_s: float):
 
     Made once per process (a second ``setup()`` reuses it). Call it before
     any other TensorFlow operation: thread counts can only be set before TensorFlow starts.
+    A cluster that has not formed within ``timeout_s`` ends this worker naming the missing ones, and a worker
+    of a local launcher beats for its watchdog (:mod:`omnilearn.tf.liveness`). TensorFlow's preemption notifier
+    takes SIGTERM over (it would swallow it): the handler from before is put back.
     """
     import tensorflow as tf
 
@@ -138,5 +144,12 @@ def make_strategy(cluster: Cluster, timeout_s: float):
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
+    deadline = liveness.JoinDeadline(cluster.workers, cluster.rank, timeout_s) if cluster.workers else None
+    sigterm = signal.getsignal(signal.SIGTERM)
     _made[cluster] = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    if deadline is not None:
+        deadline.done()
+    if sigterm is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm)  # TensorFlow's preemption notifier took SIGTERM: give it back
+    liveness.start_beats(cluster.rank)
     return _made[cluster]

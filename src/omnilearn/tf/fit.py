@@ -32,7 +32,18 @@ Validation is sharded: worker ``i`` evaluates a contiguous share of the
 validation set in proportion to its batch, and the same reduction gives
 ``val_*``.
 
-Refused by name (one line): ``BackupAndRestore`` (no resume yet), ``batch_size``
+Surviving failures: a ``keras.callbacks.BackupAndRestore(backup_dir,
+save_freq=)`` in ``callbacks`` is done by OmniLearn's checkpoints
+(:mod:`omnilearn.tf.checkpointing`: model, optimizer and the session, so the
+split and the data position carry on): saved every ``save_freq`` steps or
+each epoch (at the next control-interval end) and at an agreed stop, loaded
+at the start of ``fit`` if there is one (another worker count too), the
+fit then continues at that step of that epoch; removed when ``fit`` ends
+unless ``delete_checkpoint=False``, as Keras does. The resumed epoch's
+logs cover its steps after the checkpoint; callbacks' own state (the
+patience of ``EarlyStopping``...) starts afresh, as under Keras.
+
+Refused by name (one line): ``batch_size``
 (the global batch is ``setup(global_batch=)``), ``validation_split``,
 ``shuffle=False``, ``class_weight``, ``sample_weight``, ``initial_epoch``,
 ``validation_steps``, multi-output losses, ``steps_per_execution``, models
@@ -45,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shutil
 from typing import Any, Callable
 
 import keras
@@ -57,15 +69,13 @@ from omnilearn.tf.steps import Gather, TrainStep
 
 WORKER_0_ONLY = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
                  keras.callbacks.ProgbarLogger, keras.callbacks.RemoteMonitor)
-REFUSED_CALLBACKS = {
-    keras.callbacks.BackupAndRestore: "ol.fit has no resume yet; save with ModelCheckpoint and restart",
-}
+REFUSED_CALLBACKS: dict[type, str] = {}
 REFUSED_ARGS = {
     "batch_size": "the global batch is omnilearn.tf.setup(global_batch=...), cut per worker by speed",
     "validation_split": "pass validation_data=(x_val, y_val) (or a dataset)",
     "class_weight": "weight the loss yourself",
     "sample_weight": "weight the loss yourself",
-    "initial_epoch": "ol.fit has no resume yet; leave it out",
+    "initial_epoch": "a resumed fit starts where its checkpoint ends (BackupAndRestore); leave it out",
     "validation_steps": "the whole validation set is evaluated, sharded across workers; leave it out",
     "shuffle": "the global permutation is seeded by setup(seed=...) and always on; leave it out",
 }
@@ -199,6 +209,8 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
                           f"{total}; leave total_steps out of setup() (fit sets the run's length)")
     validation = validation_arrays(validation_data)
     verbose = (1 if verbose == "auto" else verbose) if session.is_main else 0
+    backup = backup_and_restore(session, callbacks, steps_per_epoch)
+    callbacks = [c for c in callbacks or [] if c is not backup]
     hooks = callback_list(session, model, callbacks, verbose=verbose, epochs=epochs, steps=steps_per_epoch)
     if verbose and not session.cfg.quiet:  # Keras' progress bar replaces OmniLearn's live lines: one summary line
         session.cfg = dataclasses.replace(session.cfg, quiet=True)
@@ -211,10 +223,11 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
     model.stop_training = False
     hooks.on_train_begin()
     logs: dict[str, float] = {}
-    for epoch in range(epochs):
+    first = session.next_step  # after a resume: the checkpoint's step
+    for epoch in range(first // steps_per_epoch, epochs):
         metrics.reset()
         hooks.on_epoch_begin(epoch)
-        for batch in range(steps_per_epoch):
+        for batch in range(first % steps_per_epoch if epoch == first // steps_per_epoch else 0, steps_per_epoch):
             hooks.on_train_batch_begin(batch)
             xb, yb = next(batches)
             step_loss = session.step(xb, yb)
@@ -233,7 +246,29 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
             break
     hooks.on_train_end(logs)
     session.finish()
+    if backup is not None and backup.delete_checkpoint and not session.should_stop and session.is_main:
+        shutil.rmtree(session.checkpoints.directory, ignore_errors=True)  # done: Keras deletes its backup too
     return history
+
+
+def backup_and_restore(session, callbacks: list | None, steps_per_epoch: int):
+    """The ``BackupAndRestore`` among ``callbacks``, made OmniLearn's checkpointing of this session (None: none)."""
+    backups = [c for c in callbacks or [] if isinstance(c, keras.callbacks.BackupAndRestore)]
+    if not backups:
+        return None
+    if len(backups) > 1 or session.checkpoints is not None and session.checkpoints.every:
+        raise ConfigError("fit(callbacks=[BackupAndRestore]) and another checkpointing of this session "
+                          f"({'a second BackupAndRestore' if len(backups) > 1 else 'setup(checkpoint_every=/resume=) or omnilearn launch --checkpoint-every'}); "
+                          "keep one")
+    backup = backups[0]
+    freq = backup.save_freq
+    if freq is not False and freq != "epoch" and (type(freq) is not int or freq < 1):
+        raise ConfigError(f"BackupAndRestore(save_freq={freq!r}): give 'epoch', a number of steps or False")
+    every = steps_per_epoch if freq == "epoch" else 0 if freq is False else freq
+    restarted = session.restarted  # a launcher's restart without its own checkpoints: the backup is the resume
+    session.checkpoint_to(backup.backup_dir, every, keep=2 if backup.double_checkpoint else 1, resume=True)
+    session.restarted = restarted
+    return backup
 
 
 def refuse_args(given: dict[str, Any]) -> None:

@@ -36,8 +36,16 @@ PyTorch runtime's (:mod:`omnilearn.decisions`) decides the next batches on
 every worker alike; worker 0 writes the same ``metrics.jsonl`` and
 ``summary.json`` as the PyTorch runtime, and ``model.weights.h5``.
 
-This first version is BSP only. Not here yet (a clear error where asked
-for): ASP, checkpoints and resume, gradient accumulation, ``max_batch="auto"``
+Checkpoints (:mod:`omnilearn.tf.checkpointing`): :meth:`TFSession.checkpoint_to`
+(``setup(checkpoint_every=, resume=)``, ``omnilearn launch``'s flags, or a
+``BackupAndRestore`` callback in ``fit``) saves the model, the optimizer
+and the session at interval ends and at an agreed stop, and resumes from
+the newest once :meth:`~TFSession.wrap` and :meth:`~TFSession.data` are done,
+at the same worker count or another; ``range(ol.epoch, ol.epochs)``
+continues the epochs.
+
+This version is BSP only. Not here yet (a clear error where asked
+for): ASP, gradient accumulation, ``max_batch="auto"``
 and out-of-memory recovery, the OS throttles (``emulator`` cgroup, affinity,
 docker). Configured ``max_batch`` caps hold (they bound the plan).
 
@@ -64,6 +72,7 @@ from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.recorder import ROW_FIELDS, Telemetry
 from omnilearn.runplan import RunPlan, plan_run
 from omnilearn.stopping import stop_requested
+from omnilearn.tf.checkpointing import Checkpoints
 from omnilearn.tf.cluster import Cluster
 from omnilearn.tf.data import examples
 from omnilearn.tf.fit import fit as fit_model
@@ -113,6 +122,9 @@ class TFSession:
         self.steps_done = self.next_step = 0
         self.speeds_applied: tuple[float, ...] | None = None
         self.should_stop = False  # a stop signal reached some worker: every worker sees it after the same step
+        self.checkpoints: Checkpoints | None = None
+        self.resume = False  # load the newest checkpoint once wrap() and data() are done
+        self.restarted = False  # this run continues one in its run directory (resume, a launcher's restart)
 
     rank = property(lambda self: self.cluster.rank)
     world_size = property(lambda self: self.cluster.world_size)
@@ -131,6 +143,30 @@ class TFSession:
             raise RuntimeError("epochs is known once data() has planned the run")
         return self.run.epochs
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next step (after a resume, the one to continue): ``for e in range(ol.epoch, ol.epochs)``."""
+        if self.run is None:
+            raise RuntimeError("epoch is known once data() has planned the run")
+        return self.next_step // self.run.steps_per_epoch
+
+    def checkpoint_to(self, directory: str | Path, every: int = 0, keep: int = 3, resume: bool = False) -> None:
+        """Checkpoint into ``directory`` every ``every`` steps (at the next interval end; 0: only at an agreed stop),
+        keeping ``keep``; ``resume``: first load the newest there (none: start at step 0). Every worker calls it,
+        before :meth:`wrap` and :meth:`data` (see :mod:`omnilearn.tf.checkpointing`)."""
+        if self.steps_done or self.next_step:
+            raise RuntimeError("checkpoint_to() after training started: call it before the first step")
+        self.checkpoints, self.resume = Checkpoints(self, directory, every, keep), resume
+        self.restarted = self.restarted or resume
+        self._maybe_restore()
+
+    def _maybe_restore(self) -> None:
+        """Once the model, the optimizer and the plan exist: the newest checkpoint, if a resume was asked for."""
+        if self.resume and self.checkpoints is not None and self.train_step is not None and self.plan is not None:
+            self.resume = False
+            if not self.checkpoints.restore() and self.restarted and self.telemetry is not None:
+                self.telemetry.resume({}, 0, self.world_size)  # none saved yet: start over, voiding earlier records
+
     def scope(self) -> ContextManager:
         """``with ol.scope():`` build the model and optimizer here (their variables are mirrored)."""
         return self.strategy.scope()
@@ -145,6 +181,7 @@ class TFSession:
         self.model, self.optimizer = model, optimizer
         self.train_step = step(self.strategy, model, optimizer, loss, self._local_grads_ready)
         model.fit = refuse_model_fit  # Keras' own fit fails under this strategy (PerReplica); say what to call
+        self._maybe_restore()
 
     def set_total_steps(self, total_steps: int) -> None:
         """Bound the run at ``total_steps`` before :meth:`data` plans it (``fit`` sets epochs x steps per epoch)."""
@@ -175,7 +212,9 @@ class TFSession:
         self.plan = GlobalPlan(len(x), self.cfg.global_batch, self.cfg.seed)
         if self.is_main:
             self.telemetry = Telemetry(self.cfg, self.run, self.run_dir)
-        return WorkerBatches(self, x, y)
+        batches = WorkerBatches(self, x, y)
+        self._maybe_restore()
+        return batches
 
     def fit(self, model, x, y=None, **keras_fit: Any):
         """``model.fit`` on balanced workers: a compiled model, callbacks, a ``History`` (:mod:`omnilearn.tf.fit`)."""
@@ -212,11 +251,15 @@ class TFSession:
                           self.learning_rate()])
         self.open_step, self.steps_done, self.next_step = None, self.steps_done + 1, step + 1
         size = len(self.rows)
-        if size == self.cfg.control_interval or step + 1 == self.run.total_steps:
+        interval = size == self.cfg.control_interval or step + 1 == self.run.total_steps
+        if interval:
             self._end_window(step, INTERVAL)
         elif self.check_every and size % self.check_every == 0:
             self._end_window(step, CHECK)
         self.clock.step_ended()
+        if interval and self.checkpoints is not None and self.checkpoints.due():
+            with self.paused():
+                self.checkpoints.save()
         return loss
 
     def learning_rate(self) -> float:
