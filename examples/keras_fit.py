@@ -16,6 +16,8 @@ several machines start one per machine by hand (here, by hand on one)::
     TF_CONFIG="{\"cluster\": {$W}, \"task\": {\"type\": \"worker\", \"index\": 1}}" \
         python examples/keras_fit.py --speeds 2,1 --out runs/keras-fit
 
+With ``--max-restarts 1`` the launcher restarts the workers after a failure
+and ``BackupAndRestore`` resumes the fit at its last epoch's checkpoint.
 Without ``TF_CONFIG`` it trains alone. The data is a toy task (no download):
 20 features, the label the largest of 8 random projections. Worker 0 shows
 the progress bar and writes the checkpoint; every worker gets the same
@@ -71,7 +73,8 @@ with ol.scope():  # OmniLearn
 
 checkpoint = args.checkpoint or os.path.join(args.out or ".", "best.weights.h5")
 callbacks = [keras.callbacks.ModelCheckpoint(checkpoint, save_weights_only=True, save_best_only=True),
-             keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.8 if epoch else rate)]
+             keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.8 if epoch else rate),
+             keras.callbacks.BackupAndRestore(os.path.join(args.out or ".", "backup"))]  # resumes after a failure
 history = ol.fit(model, train_dataset(), epochs=args.epochs, steps_per_epoch=16,  # OmniLearn
                  validation_data=toy_dataset(1024), callbacks=callbacks)
 print("val_accuracy by epoch:", ", ".join(f"{a:.1%}" for a in history.history["val_accuracy"]))

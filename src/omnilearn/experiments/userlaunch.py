@@ -12,9 +12,12 @@ The supervision is ``omnilearn train --framework tensorflow``'s
 (:func:`omnilearn.experiments.tflaunch.supervise`): a worker that exits
 badly stops the others and is named in one line with the last line of its
 log (exit 1); SIGINT/SIGTERM stop every worker (exit 128 + the signal). A
-worker that never joins the cluster leaves the others in
-``MultiWorkerMirroredStrategy``'s start-up until its timeout, then they
-fail and are named the same way.
+worker silent for ``--heartbeat-s`` is named as hung and every worker
+stopped; one that has not joined the cluster after ``--timeout-s`` is named
+by its peers (:mod:`omnilearn.tf.liveness`). ``--checkpoint-every``,
+``--keep-checkpoints`` and ``--resume`` reach the script's ``setup()``
+(:mod:`omnilearn.tf.checkpointing`); ``--max-restarts K`` starts every
+worker again after a failure, resuming (:func:`omnilearn.experiments.tflaunch.with_restarts`).
 
 Multi-node: start ``python script.py`` on each machine with its own
 ``TF_CONFIG`` (docs/tensorflow.md). A PyTorch script is started by
