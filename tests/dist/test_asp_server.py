@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from cli_run import train
 from omnilearn.decisions import SCRIPTED_ENV
 from omnilearn.distributed.group import DistContext
-from omnilearn.distributed.ps import HELLO, PUSH, Request
+from omnilearn.distributed.ps import GO, HELLO, PUSH, Request
 from omnilearn.experiments.asp_train import build_server, build_worker
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.observe.metrics import read_metrics
@@ -56,6 +56,45 @@ def test_one_push_changes_the_weights_exactly_as_sgd_with_the_scaled_rate(scalin
         torch.testing.assert_close(p.detach(), p0 - lr * g)  # momentum's first step is plain SGD
     assert server.version == 4 and server.staleness.maxima[0] == 2
     assert server.opt.param_groups[0]["lr"] == 0.1  # the base rate is restored for the next push
+
+
+class RecordedLink:
+    """The server's link with the replies kept instead of sent (a server driven push by push)."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple] = []
+
+    def reply(self, rank, status, version, epoch=0, slowdown=1.0, indices=None, state=None) -> None:
+        self.replies.append((rank, status, version, epoch, None if indices is None else list(indices)))
+
+
+@pytest.mark.parametrize("bound", [None, 2])
+def test_a_push_over_the_staleness_bound_is_recomputed_once_on_fresh_weights(bound):
+    """``--max-staleness 2``: a push 4 versions old is not applied; the worker gets the current version and the
+    same samples; its recomputed push is applied whatever its staleness (no starving); the next batch is bounded
+    again. Without a bound every push is applied. Quantiles and refusals are counted."""
+    cfg = TrainConfig(mode="asp", workers=2, speeds="1,1", global_batch=64, max_steps=100, lr_schedule="constant",
+                      max_staleness=bound, quiet=True)
+    server = build_server(cfg, None)
+    server.link, server.version = RecordedLink(), 5
+    payload = torch.zeros(server.flat.size)
+
+    def push(pulled: int) -> None:
+        server.handle(Request(1, PUSH, len(server.outstanding[0][1]), pulled, 0.1, 0.05, 2.0), payload)
+
+    server.outstanding[0] = deal = server.dealer.deal(32)
+    push(1)  # 4 versions old
+    if bound is None:
+        assert server.version == 6 and server.staleness.refused == [0, 0]
+        return
+    assert server.version == 5 and server.staleness.refused == [1, 0] and server.staleness.counts == [0, 0]
+    assert server.outstanding[0] == deal and server.link.replies[-1][1:] == (GO, 5, deal[0], list(deal[1]))
+    push(1)  # recomputed, and stale again (the host stalled it once more): applied this time
+    assert server.version == 6 and server.staleness.counts[0] == 1 and server.staleness.maxima[0] == 4
+    push(2)  # the next batch, 4 versions old: refused again
+    assert server.version == 6 and server.staleness.refused == [2, 0]
+    push(5)  # recomputed at staleness 1
+    assert server.version == 7 and server.staleness.quantile(0.5, 0) == 1 and server.staleness.quantile(0.99) == 4
 
 
 def test_asp_run_accounts_staleness_and_covers_the_data(tmp_path, monkeypatch):

@@ -206,6 +206,25 @@ def test_asp_settings_are_validated():
     assert ASPSettings(checkpoint_every=5).checkpoint_every == 5
     with pytest.raises(ConfigError, match="--checkpoint-every"):
         ASPSettings(checkpoint_every=-1)
+    assert ASPSettings(max_staleness=6).max_staleness == 6
+    for bad in (0, 2.5, True):
+        with pytest.raises(ConfigError, match="--max-staleness"):
+            ASPSettings(max_staleness=bad)
+
+
+def test_staleness_quantiles_are_exact_and_survive_a_checkpoint_and_an_older_one_loads():
+    s = Staleness(2)
+    for stale in [0, 1, 1, 2, 2, 2, 3, 9]:  # worker 0; 8 pushes
+        s.record(0, 100, 100 - stale)
+    s.record(1, 100, 45)
+    assert (s.quantile(0.5, 0), s.quantile(0.99, 0), s.quantile(0.99)) == (2, 9, 55)
+    assert s.quantile(0.5, 1) == 55 and Staleness(3).quantile(0.99) == 0  # no pushes yet: 0
+    again = Staleness(2)
+    again.load_state_dict(s.state_dict())
+    assert again.hist == s.hist and again.quantile(0.99, 0) == 9
+    older = {k: v for k, v in s.state_dict().items() if k in ("counts", "totals", "maxima")}
+    again.load_state_dict(older)  # a checkpoint from before the histogram: quantiles start afresh
+    assert again.counts == s.counts and again.quantile(0.5) == 0 and again.refused == [0, 0]
 
 
 def test_push_control_windows_only_the_current_batch_and_decides_every_interval():

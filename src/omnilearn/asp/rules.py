@@ -173,36 +173,79 @@ def push_lr(base_lr: float, batch: int, b_ref: float, staleness: int, scaling: s
 
 @dataclass
 class Staleness:
-    """Per-worker push counts and staleness (server version at apply time minus the pulled version)."""
+    """Per-worker push counts and staleness (server version at apply time minus the pulled version).
+
+    Each worker's staleness values are counted per value (a histogram: staleness is a small integer), so the
+    quantiles (:meth:`quantile`: p50, p99) are exact at O(1) per push. ``refused``: pushes refused for staleness
+    above the bound (``--max-staleness``; :func:`over_bound`).
+    """
 
     workers: int
     counts: list[int] = field(default_factory=list)
     totals: list[int] = field(default_factory=list)
     maxima: list[int] = field(default_factory=list)
+    hist: list[dict[int, int]] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.counts, self.totals, self.maxima = [0] * self.workers, [0] * self.workers, [0] * self.workers
+        self.hist, self.refused = [{} for _ in range(self.workers)], [0] * self.workers
 
-    def record(self, worker: int, server_version: int, pulled_version: int) -> int:
+    def of(self, worker: int, server_version: int, pulled_version: int) -> int:
+        """A push's staleness (no record)."""
         if pulled_version > server_version:
             raise ValueError(f"worker {worker} pushed for version {pulled_version}, newer than the server's "
                              f"{server_version}")
-        s = server_version - pulled_version
+        return server_version - pulled_version
+
+    def record(self, worker: int, server_version: int, pulled_version: int) -> int:
+        s = self.of(worker, server_version, pulled_version)
         self.counts[worker] += 1
         self.totals[worker] += s
         self.maxima[worker] = max(self.maxima[worker], s)
+        self.hist[worker][s] = self.hist[worker].get(s, 0) + 1
         return s
 
     def mean(self, worker: int) -> float:
         return self.totals[worker] / self.counts[worker] if self.counts[worker] else 0.0
 
+    def quantile(self, q: float, worker: int | None = None) -> int:
+        """The smallest staleness with at least ``q`` of the pushes at or below it (one worker's, or all)."""
+        merged: dict[int, int] = {}
+        for h in self.hist if worker is None else [self.hist[worker]]:
+            for value, count in h.items():
+                merged[value] = merged.get(value, 0) + count
+        total = sum(merged.values())
+        if not total:
+            return 0
+        seen = 0
+        for value in sorted(merged):
+            seen += merged[value]
+            if seen >= q * total:
+                return value
+        return max(merged)  # pragma: no cover - q <= 1 always returns above
+
     def state_dict(self) -> dict:
-        return {"counts": list(self.counts), "totals": list(self.totals), "maxima": list(self.maxima)}
+        return {"counts": list(self.counts), "totals": list(self.totals), "maxima": list(self.maxima),
+                "hist": [[[v, c] for v, c in sorted(h.items())] for h in self.hist], "refused": list(self.refused)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; an older state without the histogram or refusals loads them empty."""
         if len(state["counts"]) != self.workers:
             raise ValueError(f"staleness of {len(state['counts'])} workers loaded for {self.workers}")
         self.counts, self.totals, self.maxima = ([int(v) for v in state[k]] for k in ("counts", "totals", "maxima"))
+        self.hist = [{int(v): int(c) for v, c in h} for h in state.get("hist", [[] for _ in range(self.workers)])]
+        self.refused = [int(v) for v in state.get("refused", [0] * self.workers)]
+
+
+def over_bound(staleness: int, bound: int | None, retried: bool) -> bool:
+    """Refuse this push (the worker recomputes the same samples on fresh weights)?
+
+    Above the bound, once per batch dealt: a one-off stall (a host hiccup) costs one recomputation instead of an
+    update ``staleness`` versions old; a worker slower than the bound allows every time is not starved (its
+    recomputed push is applied whatever its staleness, and counted).
+    """
+    return bound is not None and staleness > bound and not retried
 
 
 @dataclass

@@ -58,7 +58,7 @@ from omnilearn.asp.control import PushControl
 from omnilearn.asp.faults import KillPoint
 from omnilearn.asp.flat import Flat
 from omnilearn.asp.membership import Membership
-from omnilearn.asp.rules import Coverage, IndexDealer, Liveness, Staleness, push_lr
+from omnilearn.asp.rules import Coverage, IndexDealer, Liveness, Staleness, over_bound, push_lr
 from omnilearn.asp.settings import ASPSettings
 from omnilearn.asp.snapshot import Snapshots
 from omnilearn.balance.allocation import Bounds, proportional_split
@@ -103,6 +103,7 @@ class ParameterServer:
         self.evaluated_epoch = 0
         self.evaluation: tuple[int, int, float, Future] | None = None  # epoch, version, train_s, result
         self.outstanding: dict[int, Deal] = {}  # per worker: what it was dealt and has not pushed yet
+        self.retried: set[int] = set()  # workers recomputing a push refused for its staleness (--max-staleness)
         self.held: list[tuple[int, Request, torch.Tensor, Deal]] = []  # pushes that arrived while evaluating
         self.pool: ThreadPoolExecutor | None = None
 
@@ -186,12 +187,26 @@ class ParameterServer:
             self.link.reply(req.rank, STOP, self.version, self.dealer.epoch)
             return True
         if req.kind == PUSH:
+            stale = self.staleness.of(worker, self.version, req.pulled_version)
+            if over_bound(stale, self.settings.max_staleness, worker in self.retried):
+                self.refuse(worker, req, stale, deal)
+                return False
+            self.retried.discard(worker)
             self.apply(worker, req, payload, self.clock.train_s(time.perf_counter()), deal)
         epoch, indices = self.outstanding[worker] = self.dealer.deal(self.batches[worker])
         if epoch > self.evaluated_epoch:
             self.start_evaluation(epoch - 1)
         self.link.reply(req.rank, GO, self.version, epoch, self.slowdown(worker), indices, self.flat.state())
         return False
+
+    def refuse(self, worker: int, req: Request, stale: int, deal: Deal) -> None:
+        """A push over the staleness bound: not applied; the worker gets fresh weights and the same samples."""
+        self.retried.add(worker)
+        self.staleness.refused[worker] += 1
+        self.outstanding[worker] = deal
+        self.log.refused(self.version, worker, stale)
+        epoch, indices = deal
+        self.link.reply(req.rank, GO, self.version, epoch, self.slowdown(worker), indices, self.flat.state())
 
     def stopping(self) -> bool:
         """All push slots used, the training-time budget spent, or a stop asked for."""

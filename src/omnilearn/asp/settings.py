@@ -21,13 +21,16 @@ class ASPSettings:
     ``lr_scaling``: ``linear`` (a push's rate times ``b_i / (B / n)``) or ``none``;
     ``staleness_lr``: also divide a push's rate by its staleness;
     ``max_time_s``: stop after this much training time (evaluation excluded; None: no limit);
-    ``checkpoint_every``: save a checkpoint every this many steps of ``n`` push slots (0: never).
+    ``checkpoint_every``: save a checkpoint every this many steps of ``n`` push slots (0: never);
+    ``max_staleness``: refuse a push more than this many versions old, once per batch: the worker recomputes
+    it on fresh weights (None: no bound; :func:`omnilearn.asp.rules.over_bound`).
     """
 
     lr_scaling: str = "linear"
     staleness_lr: bool = False
     max_time_s: float | None = None
     checkpoint_every: int = 0
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
@@ -39,3 +42,6 @@ class ASPSettings:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
                 or self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every!r} must be 0 (never) or a number of steps")
+        if self.max_staleness is not None and (type(self.max_staleness) is not int or self.max_staleness < 1):
+            raise ConfigError(f"--max-staleness {self.max_staleness!r} must be a whole number of versions, 1 or "
+                              "more (leave it out for no bound)")

@@ -47,7 +47,7 @@ def train_asp(cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) -> dict 
 
 
 def asp_settings(cfg: TrainConfig) -> ASPSettings:
-    return ASPSettings(cfg.lr_scaling, cfg.staleness_lr, cfg.max_time_s, cfg.checkpoint_every)
+    return ASPSettings(cfg.lr_scaling, cfg.staleness_lr, cfg.max_time_s, cfg.checkpoint_every, cfg.max_staleness)
 
 
 def build_server(cfg: TrainConfig, run_dir: Path | None, splits: Splits | None = None) -> ParameterServer:

@@ -106,6 +106,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--lr-scaling", choices=LR_SCALINGS, help="asp: scale each push's rate by its batch / (B / n) (linear, "
         "default) or not (none)")
     add("--staleness-lr", action="store_true", help="asp: also divide each push's rate by its staleness")
+    add("--max-staleness", type=int, help="asp: refuse a push more than this many versions old, once per batch: the "
+        "worker recomputes it on fresh weights (default: no bound)")
 
 
 def _train_parser(sub) -> None:

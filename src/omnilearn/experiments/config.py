@@ -63,6 +63,7 @@ class TrainConfig(BalanceConfig):
     framework: str = "pytorch"  # or tensorflow: Keras on tf.distribute (omnilearn.tf), BSP, the default workload
     lr_scaling: str = "linear"  # asp: each push's rate times b_i / (B / n), or "none"
     staleness_lr: bool = False  # asp: also divide each push's rate by its staleness
+    max_staleness: int | None = None  # asp: refuse a push older than this many versions, once per batch (recomputed)
     max_time_s: float | None = None  # asp: stop after this much training time (the bench's equal budget)
     checkpoint_every: int = 500  # steps between checkpoints in RUN_DIR/checkpoints (asp: steps x workers pushes); 0: none
     keep_checkpoints: int = 3  # the newest K checkpoints are kept
@@ -120,7 +121,8 @@ class TrainConfig(BalanceConfig):
         if self.lr_scaling not in LR_SCALINGS:
             raise ConfigError(f"unknown lr_scaling {self.lr_scaling!r}; choose one of {', '.join(LR_SCALINGS)}")
         if self.mode == "bsp":
-            for name, default in (("lr_scaling", "linear"), ("staleness_lr", False), ("max_time_s", None)):
+            for name, default in (("lr_scaling", "linear"), ("staleness_lr", False), ("max_time_s", None),
+                                  ("max_staleness", None)):
                 if getattr(self, name) != default:
                     raise ConfigError(f"--{name.replace('_', '-')} is only used with --mode asp")
             return
@@ -133,6 +135,9 @@ class TrainConfig(BalanceConfig):
                               "is one batch: drop it")
         if self.max_time_s is not None and self.max_time_s <= 0:
             raise ConfigError(f"--max-time-s {self.max_time_s:g} must be positive")
+        if self.max_staleness is not None and self.max_staleness < 1:
+            raise ConfigError(f"--max-staleness {self.max_staleness} must be 1 or more versions (leave it out for no "
+                              "bound)")
         if self.max_batch == AUTO:
             raise ConfigError("--max-batch auto (a CUDA memory probe per rank) is for --mode bsp; give a number in asp")
         if isinstance(self.max_batch, tuple):  # the server plans with one cap for every live worker

@@ -96,6 +96,10 @@ class ASPLog:
         self._new_interval()
         self.events.flush()
 
+    def refused(self, version: int, worker: int, staleness: int) -> None:
+        """A push refused for its staleness (``--max-staleness``): the worker recomputes it on fresh weights."""
+        self.events.write("refused", version=version, rank=worker, staleness=staleness)
+
     def decision(self, d, effective_step: int | None = None) -> None:
         """A controller decision; a changed one is applied at once (from ``effective_step``, default ``d.step``)."""
         eff = getattr(d, "effective_step", None)
@@ -166,7 +170,10 @@ class ASPLog:
         accuracy = summary["test_accuracy"]
         self.console.info(f"{label}{summary['updates']} updates in {train_s:.1f} s | "
                           + (f"test accuracy {accuracy:.2%} | " if accuracy is not None else "")
-                          + f"staleness mean {summary['mean_staleness']:.2f}, max {summary['max_staleness']}")
+                          + f"staleness mean {summary['mean_staleness']:.2f}, p50 {summary['p50_staleness']}, "
+                          f"p99 {summary['p99_staleness']}, max {summary['max_staleness']}"
+                          + (f" (bound {self.settings.max_staleness}: {summary['refused']} pushes recomputed)"
+                             if self.settings.max_staleness is not None else ""))
         self.events.report_run_dir(self.cfg.quiet)
         return summary
 
@@ -179,6 +186,8 @@ class ASPLog:
         return {
             "rank": w, "updates": staleness.counts[w], "mean_staleness": staleness.mean(w),
             "max_staleness": staleness.maxima[w], "updates_per_s": staleness.counts[w] / train_s,
+            "p50_staleness": staleness.quantile(0.5, w), "p99_staleness": staleness.quantile(0.99, w),
+            "refused": staleness.refused[w],
             "max_staleness_last_half": int(max_stale) if k else 0,
             "mean_batch": batch / k if k else 0.0, "mean_cycle_s": cycle_s / k if k else 0.0,
             "mean_compute_s": compute_s / k if k else 0.0,
@@ -196,6 +205,8 @@ class ASPLog:
             "test_accuracy": self.last_eval.get("test_accuracy"), "test_loss": self.last_eval.get("test_loss"),
             "final_train_loss": fmean(self.last_losses) if self.last_losses else None,
             "mean_staleness": sum(staleness.totals) / max(1, updates), "max_staleness": max(staleness.maxima),
+            "p50_staleness": staleness.quantile(0.5), "p99_staleness": staleness.quantile(0.99),
+            "max_staleness_bound": s.max_staleness, "refused": sum(staleness.refused),
             # after the controller's first decisions: the transient of the first intervals left out
             "max_staleness_last_half": int(self.all_staleness.since(pushes // 2)[0]) if pushes else 0,
             "declared_speeds": list(changes[-1][1]) if len(changes) == 1 else None,
