@@ -625,19 +625,21 @@ def asp_row(arm, levels, acc, stale, target_s, at_epochs=(None, None)):
             "test_accuracy": spread(acc), "accuracy_at_budget": spread(acc),
             "accuracy_at_equal_epochs": spread(list(at_epochs)), "equal_epochs": [7, 8],
             "time_to_accuracy_s": spread(target_s), "mean_staleness": stale[0], "max_staleness": stale[1],
+            "p99_staleness": stale[2],
             "mean_staleness_per_worker": [4.0, 4.0, 4.0, 2.0] if levels == "asp" else [0.0] * 4,
+            "p99_staleness_per_worker": [7, 7, 8, 4] if levels == "asp" else [0] * 4,
             "updates_per_s_per_worker": [10.0, 10.0, 10.0, 30.25]}
 
 
 def test_asp_markdown_table():
-    rows = [asp_row("uniform", "asp", [0.6, 0.64], (3.5, 12), [4.0, None], (0.5, 0.52)),
-            asp_row("omnilearn", "asp", [0.7, 0.7], (2.0, 5), [3.0, 5.0], (0.55, 0.55)),
-            asp_row("bsp", "bsp", [0.72, 0.74], (0.0, 0), [2.0, 2.0])]
+    rows = [asp_row("uniform", "asp", [0.6, 0.64], (3.5, 12, 8), [4.0, None], (0.5, 0.52)),
+            asp_row("omnilearn", "asp", [0.7, 0.7], (2.0, 5, 4), [3.0, 5.0], (0.55, 0.55)),
+            asp_row("bsp", "bsp", [0.72, 0.74], (0.0, 0, 0), [2.0, 2.0])]
     lines = asp_markdown_table(rows, 10.0, 0.5).splitlines()
     assert lines[0].startswith("| setting | HL table | arm | train s | final test acc % | acc % at budget | "
                                "acc % at equal epochs | time to 50% s |")
     assert lines[2] == "| HL8 | asp | uniform | 10.1 | 62.0 (60.0–64.0) | 62.0 (60.0–64.0) | 51.0 (50.0–52.0) @7–8 | " \
-                       "never | 3.50 | 12 | 4.0/4.0/4.0/2.0 | 10.0/10.0/10.0/30.2 |"
+                       "never | 3.50 | 8 | 12 | 4.0/4.0/4.0/2.0 | 7/7/8/4 | 10.0/10.0/10.0/30.2 |"
     assert lines[3].split(" | ")[4:8] == ["70.0", "70.0", "55.0 @7–8", "4.0"]  # equal repeats: no range
     assert lines[4].split(" | ")[1:3] == ["bsp", "bsp"] and lines[4].split(" | ")[6] == "–"
     assert "Budget 10 s of training per arm" in lines[-1] and lines[-2] == ""

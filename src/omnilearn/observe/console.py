@@ -112,8 +112,9 @@ class Console:
 
     def push_table(self, workers: Sequence[dict[str, Any]]) -> None:
         """ASP: the final per-worker table."""
-        self._emit(f"{'worker':>6} {'updates':>8} {'batch':>7} {'cycle ms':>9} {'staleness mean/max':>19} "
+        self._emit(f"{'worker':>6} {'updates':>8} {'batch':>7} {'cycle ms':>9} {'staleness mean/p50/p99/max':>27} "
                    f"{'updates/s':>10}")
         for w in workers:
+            quantiles = f"{w.get('p50_staleness', '-')}/{w.get('p99_staleness', '-')}/{w['max_staleness']}"
             self._emit(f"{w['rank']:>6} {w['updates']:>8} {w['mean_batch']:>7.1f} {w['mean_cycle_s'] * 1e3:>9.1f} "
-                       f"{w['mean_staleness']:>10.2f}/{w['max_staleness']:<8} {w['updates_per_s']:>10.2f}")
+                       f"{w['mean_staleness']:>10.2f}/{quantiles:<16} {w['updates_per_s']:>10.2f}")
