@@ -2,7 +2,7 @@
 
 The Python API resolves when the data loader is made, from the dataset's
 length and the loader's prefetch depth; the CLI's ``resolve`` (in
-:mod:`omnilearn.experiments.workload`) does the same from ``--epochs`` /
+:mod:`omnilearn.experiments.train.workload`) does the same from ``--epochs`` /
 ``--max-steps`` before any worker starts. :func:`initial_speeds` answers
 the one question asked before any dataset is known: the speeds at step 0
 (the ``static`` controller's first plan).

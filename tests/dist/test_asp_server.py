@@ -33,7 +33,7 @@ from cli_run import train
 from omnilearn.decisions import SCRIPTED_ENV
 from omnilearn.distributed.group import DistContext
 from omnilearn.distributed.ps import GO, HELLO, PUSH, Request
-from omnilearn.experiments.asp_train import build_server, build_worker
+from omnilearn.experiments.train.asp import build_server, build_worker
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.observe.metrics import read_metrics
 

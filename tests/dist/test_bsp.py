@@ -37,7 +37,7 @@ import omnilearn
 from cli_run import load_weights, train
 from omnilearn.data.plan import GlobalPlan
 from omnilearn.decisions import SCRIPTED_ENV
-from omnilearn.experiments import workload
+from omnilearn.experiments.train import workload
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.observe.metrics import read_metrics
 
@@ -171,7 +171,7 @@ NATIVE_S = 0.02  # the scripted native compute of every step in the delay emulat
 
 
 def _emulated_worker(rank: int, store: str, out: str) -> None:
-    from omnilearn.timing import StepTimer
+    from omnilearn.clocks.step import StepTimer
     from tokendata import PairData
 
     torch.set_num_threads(1)

@@ -40,7 +40,7 @@ from torch import nn
 
 import omnilearn
 from omnilearn.distributed.hooks import HookState
-from omnilearn.experiments.asp_train import build_server
+from omnilearn.experiments.train.asp import build_server
 from omnilearn.experiments.config import TrainConfig
 
 pytestmark = pytest.mark.dist

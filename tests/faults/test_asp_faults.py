@@ -17,7 +17,7 @@
 
 The processes of the tests above are started here as the launcher starts them (one
 process group, the harness's ``train_asp`` per rank). The tests at the end go through
-``omnilearn train --mode asp`` itself (:mod:`omnilearn.experiments.supervise`): a killed
+``omnilearn train --mode asp`` itself (:mod:`omnilearn.experiments.launch.supervise`): a killed
 worker leaves the run going (exit 0, one warning line naming it); a killed server fails the
 attempt, naming ``the parameter server (rank 0)``, and ``--max-restarts 1`` resumes it; a
 hung (SIGSTOPped) server is named by its workers' watchdogs and every process ends.
@@ -44,11 +44,11 @@ from omnilearn.asp.faults import ENV, KillPoint, kill_point
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.distributed import group
 from omnilearn.distributed import watchdog as wd
-from omnilearn.experiments import workload
-from omnilearn.experiments.asp_train import train_asp
+from omnilearn.experiments.train import workload
+from omnilearn.experiments.train.asp import train_asp
 from omnilearn.experiments.cli import main
 from omnilearn.experiments.config import TrainConfig
-from omnilearn.experiments.supervise import Exit, blame
+from omnilearn.experiments.launch.supervise import Exit, blame
 from omnilearn.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.dist

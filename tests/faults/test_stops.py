@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from omnilearn.distributed import group
 from omnilearn.distributed import watchdog as wd
 from omnilearn.distributed.watchdog import ErrorLog, read_error_logs
-from omnilearn.experiments.supervise import Exit, blame
+from omnilearn.experiments.launch.supervise import Exit, blame
 
 pytestmark = pytest.mark.dist
 

@@ -1,6 +1,6 @@
 """CUDA checks, skipped without a GPU (NCCL across ranks needs two).
 
-- :class:`~omnilearn.timing.StepTimer` on CUDA: events give positive compute
+- :class:`~omnilearn.clocks.step.StepTimer` on CUDA: events give positive compute
   and wait times, and nothing synchronises the device per step (only
   ``collect()`` waits, on one event).
 - A session on a 1-GPU NCCL group (the user's own group) trains with the
@@ -34,7 +34,7 @@ from torch import nn
 import omnilearn
 from omnilearn.data.plan import GlobalPlan
 from tokendata import PAD, TokenData
-from omnilearn.timing import StepTimer
+from omnilearn.clocks.step import StepTimer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,
                                 reason="needs a CUDA GPU")

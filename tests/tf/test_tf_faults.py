@@ -35,7 +35,7 @@ def launch(out, *flags: str, env: dict | None = None) -> subprocess.Popen:
 
 def no_worker_left(out) -> bool:
     """No process still runs the job of ``out`` (pgrep on its command line)."""
-    found = subprocess.run(["pgrep", "-f", f"omnilearn.experiments.tfjob {out}"], capture_output=True, text=True)
+    found = subprocess.run(["pgrep", "-f", f"omnilearn.experiments.train.tfjob {out}"], capture_output=True, text=True)
     return found.stdout.strip() == ""
 
 

@@ -21,7 +21,7 @@ from omnilearn.balance.allocation import Bounds, proportional_split
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.config import ConfigError
-from omnilearn.trainclock import TrainClock
+from omnilearn.clocks.train import TrainClock
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,4 +1,4 @@
-"""Unit tests for the bench figures (``omnilearn.experiments.benchstats``), a pure module.
+"""Unit tests for the bench figures (``omnilearn.experiments.bench.stats``), a pure module.
 
 Checked against hand-computed values on small synthetic BSP runs:
 
@@ -40,7 +40,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnilearn.experiments.benchstats import (
+from omnilearn.experiments.bench.stats import (
     REACTION_WINDOW,
     arm_figures,
     fidelity_error,
@@ -51,7 +51,7 @@ from omnilearn.experiments.benchstats import (
     steps_per_epoch,
     time_to_accuracy,
 )
-from omnilearn.experiments.benchsummary import (
+from omnilearn.experiments.bench.summary import (
     HEADER,
     SAME,
     add_floor,
@@ -538,7 +538,7 @@ def test_markdown_table_empty_is_header_only():
 
 def test_settle_steps_counts_to_the_blocks_own_settled_time():
     # These blocks settle exactly at T*, so both measures agree and count the k unbalanced steps.
-    from omnilearn.experiments.benchstats import settle_steps
+    from omnilearn.experiments.bench.stats import settle_steps
 
     rows = dynamic_run([0, 20, 40], 60, [4, 0, 7])
     assert settle_steps(rows, [0, 20, 40], 60) == [4, 0, 7]
@@ -547,7 +547,7 @@ def test_settle_steps_counts_to_the_blocks_own_settled_time():
 
 # ---------------------------------------------------------------- bench --mode asp
 
-from omnilearn.experiments.benchstats import (accuracy_at_time, add_histograms, asp_markdown_table,  # noqa: E402
+from omnilearn.experiments.bench.stats import (accuracy_at_time, add_histograms, asp_markdown_table,  # noqa: E402
                                               epoch_accuracies, equal_epochs, eval_points, spread, staleness_histogram)
 
 
@@ -585,7 +585,7 @@ def test_accuracy_at_time_is_the_last_evaluation_by_the_budget():
 
 
 def test_accuracy_at_epochs_averages_the_last_evaluations_up_to_e():
-    from omnilearn.experiments.benchstats import accuracy_at_epochs
+    from omnilearn.experiments.bench.stats import accuracy_at_epochs
     by_epoch = {1: 0.2, 2: 0.5, 3: 0.4, 4: 0.9}
     assert accuracy_at_epochs(by_epoch, 3) == 0.4
     assert accuracy_at_epochs(by_epoch, 3, last=3) == pytest.approx((0.2 + 0.5 + 0.4) / 3)

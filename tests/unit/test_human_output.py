@@ -15,7 +15,9 @@ import pytest
 import omnilearn
 from omnilearn.config import BalanceConfig
 from omnilearn.emulation.speeds import speed_count
-from omnilearn.experiments import cli, workload
+from omnilearn.experiments import cli
+from omnilearn.experiments.args import config_from_args
+from omnilearn.experiments.train import workload
 from omnilearn.experiments.report import plots
 from omnilearn.experiments.report.records import load_run
 from omnilearn.observe.console import startup, took, warn
@@ -23,7 +25,7 @@ from omnilearn.runplan import SpeedScheduleWarning, plan_run
 
 
 def config(*flags: str):
-    return cli._config(cli.parser().parse_args(["train", *flags]))
+    return config_from_args(cli.parser().parse_args(["train", *flags]))
 
 
 def schedule(tmp_path, *changes: tuple[str, int, str]) -> str:

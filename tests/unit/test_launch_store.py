@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from omnilearn.experiments import launch
+from omnilearn.experiments.launch import local as launch
 
 
 def test_a_new_launch_removes_the_store_of_a_launcher_that_is_gone(tmp_path, monkeypatch):

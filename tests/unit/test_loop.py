@@ -37,7 +37,7 @@ from hypothesis import given, settings, strategies as st
 from omnilearn.balance.allocation import Bounds, uniform_split
 from omnilearn.balance.controllers import Decision, Estimates, ProportionalController, make_controller
 from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop, window_row, window_table
-from omnilearn.experiments import simulate
+from omnilearn.experiments.simulate import churn as simulate
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -1,4 +1,4 @@
-"""Up-front checks (``omnilearn.experiments.preflight``): each one refusing with one line, and passing.
+"""Up-front checks (``omnilearn.experiments.train.preflight``): each one refusing with one line, and passing.
 
 Fast and in ``tmp_path``: the machine's cores, free space and write permission are monkeypatched where
 the real ones would decide (tests may run as root, for whom every directory is writable); docker is a
@@ -19,7 +19,7 @@ import pytest
 
 from omnilearn.config import ConfigError
 from omnilearn.distributed import group
-from omnilearn.experiments import preflight
+from omnilearn.experiments.train import preflight
 from omnilearn.experiments.config import TrainConfig
 
 Usage = namedtuple("Usage", "total used free")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from omnilearn.experiments.cli import _config, parser
+from omnilearn.experiments.args import config_from_args as _config
+from omnilearn.experiments.cli import parser
 from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
 from omnilearn.experiments.presets import PRESET_DIR, load_preset, preset_names
 

@@ -14,11 +14,11 @@ import pytest
 
 from omnilearn.balance.windows import window_row
 from omnilearn.config import ConfigError
-from omnilearn.experiments import whatif
-from omnilearn.experiments.whatif_args import add_arguments, scenario_from_args
-from omnilearn.experiments.whatif_bench import calibrate, predict
-from omnilearn.experiments.whatif_model import Scenario, balanced, ring_allreduce_s
-from omnilearn.experiments.whatif_run import run_all, run_controller, watched, window_rows
+from omnilearn.experiments.simulate import whatif
+from omnilearn.experiments.simulate.args import add_arguments, scenario_from_args
+from omnilearn.experiments.simulate.bench import calibrate, predict
+from omnilearn.experiments.simulate.model import Scenario, balanced, ring_allreduce_s
+from omnilearn.experiments.simulate.run import run_all, run_controller, watched, window_rows
 
 
 def args_of(*argv: str) -> argparse.Namespace:

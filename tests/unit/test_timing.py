@@ -14,7 +14,7 @@ import torch
 
 from omnilearn.bsp.steps import ROW_FIELDS, StepLedger
 from omnilearn.emulation.delay import DelayEmulator
-from omnilearn.timing import StepTimer
+from omnilearn.clocks.step import StepTimer
 
 
 def busy(seconds: float) -> None:

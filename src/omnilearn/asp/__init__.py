@@ -12,7 +12,7 @@
 
 The wire protocol is :mod:`omnilearn.distributed.ps`; the record of a run,
 :mod:`omnilearn.observe.asplog`. The experiment harness builds the workload
-(:mod:`omnilearn.experiments.asp_train`); nothing here imports it.
+(:mod:`omnilearn.experiments.train.asp`); nothing here imports it.
 
 Run the tests: ``python -m pytest -q tests/unit/test_aspmath.py tests/dist/test_asp_server.py
 tests/faults/test_asp_faults.py``

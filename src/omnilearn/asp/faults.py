@@ -19,7 +19,7 @@ off the network; it never runs again and the test kills it at the end):
   version ``COUNT`` (after any checkpoint due at that version); it takes no
   ``PHASE`` nor ``SIGNAL``.
 
-The harness (:mod:`omnilearn.experiments.asp_train`) arms it only in a run
+The harness (:mod:`omnilearn.experiments.train.asp`) arms it only in a run
 that is not a resume, so a restarted run goes past the point (as BSP's
 trainer does with the same variable, ``RANK:STEP``).
 

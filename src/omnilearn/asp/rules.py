@@ -15,7 +15,7 @@ staleness (Zhang et al. 2016). :class:`Staleness` keeps per-worker
 statistics. :class:`Liveness` knows which workers have spoken and how long
 each may stay silent (the server's listeners time the silence, and drop a
 hung worker past it; the server's training time is
-:class:`omnilearn.trainclock.TrainClock`). Every stateful class has
+:class:`omnilearn.clocks.train.TrainClock`). Every stateful class has
 ``state_dict()``/``load_state_dict()`` of plain values (checkpoints load with
 ``weights_only=True``).
 

@@ -5,7 +5,7 @@ the training set's length, an ``evaluate(model) -> (loss, accuracy)``
 callable, the :class:`~omnilearn.config.BalanceConfig`, the
 :class:`~omnilearn.asp.settings.ASPSettings`, the run plan and, for
 checkpoints, a :class:`~omnilearn.checkpoint.CheckpointStore`); the
-experiment harness (:mod:`omnilearn.experiments.asp_train`) builds them.
+experiment harness (:mod:`omnilearn.experiments.train.asp`) builds them.
 
 Each request is handled alone, in arrival order: a push is one optimizer
 step with the rate ``lr * b_i / b_ref`` (:func:`~omnilearn.asp.rules.push_lr`),
@@ -71,7 +71,7 @@ from omnilearn.distributed.serverlink import ServerLink
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.asplog import ASPLog
 from omnilearn.runplan import RunPlan
-from omnilearn.trainclock import TrainClock
+from omnilearn.clocks.train import TrainClock
 
 Evaluate = Callable[[nn.Module], tuple[float, float]]  # (test loss, test accuracy)
 Deal = tuple[int, list[int]]  # (data epoch, indices) dealt to a worker

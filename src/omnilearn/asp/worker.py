@@ -2,7 +2,7 @@
 
 It takes what it needs as arguments (the model, the training set, the loss
 ``criterion(output, target)``, its device, the largest batch and the
-timeout); the experiment harness (:mod:`omnilearn.experiments.asp_train`)
+timeout); the experiment harness (:mod:`omnilearn.experiments.train.asp`)
 builds them. A batch is ``dataset.__getitems__(indices)`` (or one item at a
 time) through ``collate_fn`` (default: ``keep_batch`` for datasets that
 serve whole batches, else torch's ``default_collate``) and must be
@@ -32,7 +32,7 @@ from omnilearn.data.loader import keep_batch
 from omnilearn.distributed.group import DistContext, pick_device
 from omnilearn.distributed.ps import HELLO, POLL, POLL_S, PUSH, Reply, WorkerLink
 from omnilearn.emulation.delay import DelayEmulator
-from omnilearn.timing import StepTimer
+from omnilearn.clocks.step import StepTimer
 
 
 class ASPWorker:

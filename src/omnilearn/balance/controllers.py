@@ -26,7 +26,7 @@ Every rank runs the same controller on the same gathered numbers, so all
 ranks reach the same decision without another message. Every controller has
 ``state_dict()``/``load_state_dict()``. (The rule the loop replaced, a
 deadband on the largest single-worker change, survives only as the
-``--legacy`` baseline of ``omnilearn.experiments.simulate``.)
+``--legacy`` baseline of ``omnilearn.experiments.simulate.churn``.)
 
 Run: ``python -m pytest -q tests/unit/test_controller.py tests/unit/test_loop.py tests/unit/test_model_controller.py``
 """

@@ -10,7 +10,7 @@ a proposal and decides whether to apply it::
     d = loop.update(step, [window_row(b, times) for b, times in my_gathered_windows])
     if d.changed: plan d.new from step d.effective_step on
 
-How it decides (figures from ``python -m omnilearn.experiments.simulate``):
+How it decides (figures from ``python -m omnilearn.experiments.simulate.churn``):
 
 - **Capped history.** A ring of the last ``history`` windows (as additive
   moments); per worker those since its batch last changed: O(n * history)
@@ -61,6 +61,9 @@ How it decides (figures from ``python -m omnilearn.experiments.simulate``):
   bit for bit alike; the ring holds exactly the kept windows (older rows are
   zeroed), which is what is saved. A state from an older checkpoint without
   the newer keys loads with their defaults.
+
+Why one file over 300 lines: ``ControlLoop`` is one state machine (windows, shift detection, deadband, effective
+step, state_dict); split, its invariants would be checked across files. The guards and windows are apart.
 
 Run: ``python -m pytest -q tests/unit/test_loop.py tests/unit/test_guards.py tests/unit/test_loop_state.py``
 """

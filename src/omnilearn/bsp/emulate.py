@@ -18,7 +18,7 @@ from omnilearn.distributed.group import DistContext
 from omnilearn.emulation.delay import DelayEmulator
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.emulation.throttle import ThrottleError, for_run
-from omnilearn.timing import StepTimer
+from omnilearn.clocks.step import StepTimer
 
 
 class Emulation:

@@ -53,6 +53,9 @@ makes every training forward (gradients on) of that rank's wrapped model
 with more than ``samples`` samples raise ``torch.OutOfMemoryError`` before it
 starts (:func:`emulate_oom`, a forward pre-hook), so it is always recoverable.
 
+Why one file over 300 lines: the caps, the out-of-memory redo and the CUDA probe share one state (each rank's
+learned cap) and one protocol with the other ranks; this keeps it in one reading.
+
 Run: ``python -m pytest -q tests/unit/test_memory.py tests/dist/test_oom.py``
 """
 

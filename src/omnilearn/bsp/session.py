@@ -66,6 +66,9 @@ worker count resumes at another. SIGTERM/SIGINT (:mod:`omnilearn.stopping`)
 are agreed on at the next interval end: ``should_stop`` turns true on every
 rank at the same step. ``omnilearn train`` uses this class.
 
+Why one file over 300 lines: ``Session`` is the runtime's public surface (every method a user calls, with its
+docstring); the mechanics live in interval, steppers, micro, memory, wrap, sharded and checkpointing.
+
 Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.py``
 """
 
@@ -100,8 +103,8 @@ from omnilearn.distributed.hooks import HookState
 from omnilearn.observe.modelfile import saver
 from omnilearn.observe.recorder import Telemetry
 from omnilearn.runplan import RunPlan, plan_run
-from omnilearn.timing import StepTimer
-from omnilearn.trainclock import TrainClock
+from omnilearn.clocks.step import StepTimer
+from omnilearn.clocks.train import TrainClock
 
 
 

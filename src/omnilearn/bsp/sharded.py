@@ -27,7 +27,7 @@ micro-batch (FSDP2 accumulates unsharded gradients meanwhile), set by
 Timing. With FSDP the waits on slower peers are spread through forward
 and backward: every all-gather (forward, and backward's re-gathers) and
 every reduce-scatter. "Compute" is the step's time minus the time this rank
-was blocked in them (:meth:`~omnilearn.hostclock.HostClock.add_blocked`):
+was blocked in them (:meth:`~omnilearn.clocks.host.HostClock.add_blocked`):
 
 - CPU (gloo): each collective call is timed on the host (a synchronous call
   blocks until every peer joined), and so is each unit's

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from omnilearn.observe.recorder import ROW_FIELDS  # noqa: F401  (the one definition; re-exported for the steppers)
-from omnilearn.timing import StepTimer
+from omnilearn.clocks.step import StepTimer
 
 FETCH_AHEAD_LIMIT = 4  # steps a loop may hold handed out besides the open one
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 
 class Clock(Protocol):
-    """What the emulator needs of a step timer (:class:`omnilearn.timing.StepTimer`, the TensorFlow runtime's)."""
+    """What the emulator needs of a step timer (:class:`omnilearn.clocks.step.StepTimer`, the TensorFlow runtime's)."""
 
     def native_compute_s(self) -> float: ...
     def elapsed_s(self) -> float: ...

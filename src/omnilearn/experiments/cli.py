@@ -18,27 +18,24 @@ ends with one ``omnilearn: error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
-import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
 from omnilearn import __version__
-from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, FRAMEWORKS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, MODES, OPTIMIZERS, ConfigError, TrainConfig, build,
-                              dump_toml, load_toml, workers_from_speeds)
+from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, FRAMEWORKS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, MODES, OPTIMIZERS, ConfigError, TrainConfig)
 from omnilearn.experiments.datasets.core import DATASETS
-from omnilearn.experiments.zoo.models import MODELS, is_language_model
-from omnilearn.experiments import preflight, restarts, userlaunch, whatif
-from omnilearn.experiments.presets import load_preset, preset_names
+from omnilearn.experiments.zoo.models import MODELS
+from omnilearn.experiments.bench import command as bench_command
+from omnilearn.experiments.launch import script as userlaunch
+from omnilearn.experiments.simulate import whatif
+from omnilearn.experiments.train import command as train_command
+from omnilearn.experiments.presets import preset_names
 from omnilearn.asp.rules import LR_SCALINGS
 from omnilearn.balance.controllers import CONTROLLERS
-from omnilearn.distributed.group import device_problem, launched_by_torchrun, torchrun_world_size
-from omnilearn.emulation.speeds import speed_count
-from omnilearn.observe.rundir import RunDirError, prepare
+from omnilearn.observe.rundir import RunDirError
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 HARNESS_MODULES = ("matplotlib", "mnist1d", "PIL")  # what the [experiments] extra installs
@@ -136,8 +133,8 @@ def _train_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    from omnilearn.experiments import aspbench
-    from omnilearn.experiments.bench import FIXED_ARMS, PAPER_BLOCK_STEPS, REPEATS, SETTINGS, STEPS
+    from omnilearn.experiments.bench import asp as aspbench
+    from omnilearn.experiments.bench.bsp import FIXED_ARMS, PAPER_BLOCK_STEPS, REPEATS, SETTINGS, STEPS
 
     p = sub.add_parser("bench", help="uniform vs static vs omnilearn (and plain DDP at HL1), side by side, over "
                        "interleaved repeats; --mode asp: asynchronous uniform vs omnilearn (and omnilearn BSP) at "
@@ -191,238 +188,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-NOT_CONFIG = ("command", "config", "plots", "quick", "repeats", "target_accuracy", "path", "tensorboard", "steps",
-              "block_steps")
-
-
-def _config(args: argparse.Namespace, **overrides) -> TrainConfig:
-    values = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
-    values.update(overrides)
-    resumed = None
-    if values.get("resume"):
-        resumed = restarts.resumed_run(getattr(args, "config", None), getattr(args, "out", None))
-    if resumed is not None and values.get("workers", resumed.get("workers")) != resumed.get("workers"):
-        if "speeds" not in values:
-            resumed.pop("speeds", None)  # the old run's speeds were for its worker count
-    file_values = resumed if resumed is not None else load_toml(args.config) if getattr(args, "config", None) else {}
-    preset = values.get("preset", file_values.get("preset"))
-    if preset is not None:
-        preset_values = load_preset(preset)
-        if launched_by_torchrun():
-            preset_values.pop("workers", None)  # torchrun's world size decides
-        file_values = {**preset_values, **file_values, "preset": preset_values["preset"]}
-        values.pop("preset", None)
-    if not launched_by_torchrun():  # torchrun's WORLD_SIZE decides: _torchrun_workers
-        workers_from_speeds(values, file_values)
-    merged = {**file_values, **values}
-    if merged.get("lr_schedule", TrainConfig.lr_schedule) != "multistep" and "milestones" not in values:
-        file_values.pop("milestones", None)  # a preset's milestones do not outlive its schedule
-    if is_language_model(merged.get("model", TrainConfig.model)):
-        file_values = {**LANGUAGE_MODEL_DEFAULTS, **file_values}
-    if merged.get("speeds") is not None and merged.get("speed_schedule") is not None:
-        raise ConfigError("--speeds and --speed-schedule both given; the schedule sets the speeds, drop --speeds")
-    schedule = merged.get("speed_schedule")
-    if isinstance(schedule, str) and schedule != "paper":
-        values["speed_schedule"] = os.path.abspath(schedule)  # config.toml repeats the run from anywhere
-    if launched_by_torchrun():
-        values["workers"] = _torchrun_workers(values, file_values)
-    if values.get("mode", file_values.get("mode")) == "asp":
-        file_values = {**ASP_DEFAULTS, **file_values}
-    cfg = build(file_values, values)
-    if resumed is not None:
-        restarts.check_resume(cfg, build(resumed, {}))
-    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
-    problem = device_problem(cfg.device, local_workers)
-    if problem:
-        raise ConfigError(problem)
-    if cfg.emulator in ("cgroup", "affinity", "docker"):
-        from omnilearn.emulation.throttle import ThrottleError, preflight
-
-        try:
-            preflight(cfg.emulator, local_workers)
-        except ThrottleError as e:
-            raise ConfigError(str(e)) from None
-    return cfg
-
-
-def _torchrun_workers(values: dict, file_values: dict) -> int:
-    """Workers under torchrun: WORLD_SIZE, less the parameter server in ASP."""
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise ConfigError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: launch with torchrun, "
-                          "or export the address and port of rank 0 (the server in --mode asp)")
-    asp = values.get("mode", file_values.get("mode")) == "asp"
-    world = torchrun_world_size()
-    workers = world - 1 if asp else world
-    if workers < 1:
-        raise ConfigError(f"--mode asp needs a server and at least one worker: WORLD_SIZE {world} is too small; "
-                          "use --nproc-per-node 2 or more")
-    given = values.get("workers", file_values.get("workers"))
-    if given is not None and given != workers:
-        raise ConfigError(f"--workers {given} does not match torchrun's WORLD_SIZE {world}"
-                          f"{' (one is the server)' if asp else ''}; drop --workers")
-    typed = speed_count(values.get("speeds"))
-    if typed is not None and typed != workers:
-        raise ConfigError(f"--speeds {values['speeds']} gives {typed} workers but torchrun's WORLD_SIZE {world} "
-                          f"gives {workers}{' (one is the server)' if asp else ''}; give one speed per worker")
-    return workers
-
-
-def _plots(path: Path) -> None:
-    from omnilearn.experiments.report.records import ReportError
-    from omnilearn.experiments.report.runs import render
-
-    try:
-        files = render(path)
-    except ReportError as e:  # the run itself succeeded; say why there is no picture
-        print(f"omnilearn: plots skipped: {e}", file=sys.stderr)
-        return
-    print(f"plots: {', '.join(str(f) for f in files)}")
-
-
-def train(args: argparse.Namespace) -> int:
-    from omnilearn.experiments import workload
-
-    cfg = _config(args)
-    if restarts.torchrun_restart():  # a restarted torchrun rank continues the run in --out, whatever it holds
-        cfg = dataclasses.replace(cfg, resume=True)
-        for check in (preflight.check_processes, preflight.check_emulator, preflight.check_data):
-            check(cfg)
-    else:
-        preflight.check(cfg)  # data layout, emulator, --out, process count: before anything is written or started
-    if cfg.framework == "tensorflow":
-        return _train_tensorflow(cfg, args)
-    steps = workload.look(cfg)  # fail fast (data, model, run length) before any process starts
-    if launched_by_torchrun():
-        return _train_torchrun(cfg, args)
-    if cfg.resume:
-        run_dir = Path(cfg.out)
-    else:
-        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
-    _announce(cfg, steps, run_dir)
-    restarts.run_local_with_restarts(cfg, run_dir)
-    if getattr(args, "plots", True):
-        _plots(run_dir)
-    return 0
-
-
-def _announce(cfg: TrainConfig, steps: int, run_dir: Path, runtime: str = "") -> None:
-    server = " + a parameter server (asp)" if cfg.mode == "asp" else ""
-    speeds = f"speed schedule {cfg.speed_schedule}" if cfg.speed_schedule else f"speeds {cfg.speeds}"
-    workers = f"{cfg.workers}{runtime} worker{'s' if cfg.workers > 1 else ''}{server}"
-    print(f"omnilearn: {workers}, {speeds}, controller {cfg.controller}, global batch {cfg.global_batch}, "
-          f"{steps} steps, run directory {run_dir}", flush=True)
-
-
-def _train_tensorflow(cfg: TrainConfig, args: argparse.Namespace) -> int:
-    """``--framework tensorflow``: local workers with TF_CONFIG each, or this process as one worker of TF_CONFIG's."""
-    from omnilearn.experiments import workload
-
-    if launched_by_torchrun():
-        raise ConfigError("--framework tensorflow starts its own workers (or runs as one worker of TF_CONFIG), "
-                          "not under torchrun")
-    if importlib.util.find_spec("tensorflow") is None:
-        raise ConfigError("--framework tensorflow needs TensorFlow: pip install 'omnilearn-hetero[tensorflow]'")
-    if os.environ.get("TF_CONFIG"):  # one worker of a cluster started by hand (each machine its own TF_CONFIG)
-        from omnilearn.experiments import tfjob
-
-        main_worker = preflight.writes_run_dir(cfg)
-        run_dir = Path(cfg.out) if cfg.resume else prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if main_worker \
-            else None
-        tfjob.train(cfg, run_dir)
-        if main_worker and getattr(args, "plots", True):
-            _plots(run_dir)
-        return 0
-    from omnilearn.experiments import tflaunch
-
-    steps = workload.look(cfg)  # fail fast (data, model, run length) before any process starts
-    run_dir = Path(cfg.out) if cfg.resume else prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
-    _announce(cfg, steps, run_dir, " TensorFlow")
-    tflaunch.run_local(cfg, run_dir)
-    if getattr(args, "plots", True):
-        _plots(run_dir)
-    return 0
-
-
-def _train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
-    """One rank of a torchrun job; after a restart (``TORCHELASTIC_RESTART_COUNT`` > 0) it resumes the run."""
-    from omnilearn.experiments import launch
-
-    restart = restarts.torchrun_restart()
-    if cfg.max_restarts:
-        raise ConfigError(f"--max-restarts {cfg.max_restarts} restarts local runs; under torchrun use torchrun's "
-                          "own --max-restarts")
-    if cfg.out is None and (restart or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)):
-        raise ConfigError("torchrun --max-restarts needs --out: a restarted rank resumes the run found there")
-    main_rank = os.environ["RANK"] == "0"
-    if main_rank and not cfg.resume:
-        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
-    else:
-        run_dir = Path(cfg.out or ".")
-    launch.run_torchrun([launch.Job(cfg, run_dir)], run_dir if main_rank else None)
-    if main_rank and getattr(args, "plots", True):
-        _plots(run_dir)
-    return 0
-
-
-def bench(args: argparse.Namespace) -> int:
-    from omnilearn.experiments import bench as bench_mod
-    from omnilearn.experiments.benchsummary import markdown_table
-
-    if launched_by_torchrun():
-        raise ConfigError("omnilearn bench launches its own local workers; run it without torchrun")
-    budget_s = vars(args).pop("time_budget_s", None)  # not a TrainConfig field
-    arms_text = vars(args).pop("arms", None)  # nor this
-    repeats = getattr(args, "repeats", None)
-    if repeats is not None and repeats < 1:
-        raise ConfigError(f"--repeats {repeats} must be at least 1")
-    target = getattr(args, "target_accuracy", None)
-    if target is not None and not 0 < target <= 1:
-        raise ConfigError(f"--target-accuracy {target} must be a fraction in (0, 1], e.g. 0.9")
-    mode = "quick" if getattr(args, "quick", False) else "full"
-    if getattr(args, "mode", "bsp") == "asp":
-        from omnilearn.experiments import aspbench
-
-        if arms_text is not None:
-            raise ConfigError("--arms picks the controllers of a BSP bench; --mode asp runs uniform, omnilearn, bsp")
-        return aspbench.command(args, _config, _plots, budget_s, repeats or aspbench.REPEATS[mode], target)
-    if budget_s is not None:
-        raise ConfigError("--time-budget-s is only used with --mode asp; a BSP bench runs --steps per arm")
-    settings = bench_mod.parse_settings(getattr(args, "speeds", ",".join(bench_mod.SETTINGS)))
-    base = _config(args, speeds=None, out=None, quiet=True)
-    if base.framework != "pytorch":
-        raise ConfigError(f"omnilearn bench compares PyTorch runs; framework {base.framework!r} trains with "
-                          "omnilearn train --framework tensorflow")
-    arms = bench_mod.parse_arms(arms_text, base.controller)
-    if "HL1" in settings and base.emulator not in ("delay", "none"):
-        raise ConfigError(f"the plain-DDP arm at HL1 runs without OS throttles; use --emulator delay or drop HL1 "
-                          f"from --speeds (got --emulator {base.emulator})")
-    if "HL1" in settings and base.global_batch % base.workers:
-        raise ConfigError(f"the plain-DDP arm needs --global-batch {base.global_batch} divisible by --workers "
-                          f"{base.workers}")
-    out = Path(getattr(args, "out", None) or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S"))
-    steps = getattr(args, "steps", bench_mod.STEPS[mode])
-    block = getattr(args, "block_steps", bench_mod.PAPER_BLOCK_STEPS[mode])
-    for flag, value in (("--steps", steps), ("--block-steps", block)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value} must be at least 1")
-    from omnilearn.experiments import workload
-    from omnilearn.experiments.workload import resolve
-
-    n_train = len(workload.check(base).train)
-    for arm in bench_mod.plan(base, settings, steps, block, 1, out, arms):  # every arm valid before anything runs
-        resolve(arm.job.cfg, n_train)
-    result = bench_mod.run(base, settings, (mode, steps, block), repeats or bench_mod.REPEATS[mode], target, out,
-                           getattr(args, "overwrite", False), arms)
-    print(markdown_table(result["results"], base.control_interval))
-    print(f"bench: {out / 'bench.json'}")
-    if getattr(args, "plots", True):
-        runs = {Path(d) for r in result["results"] if r["arm"] != "ddp" for d in r["run_dirs"]}
-        for path in [out, *sorted(runs)]:
-            _plots(path)
-    return 0
-
-
 def report(args: argparse.Namespace) -> int:
     from omnilearn.experiments.report.records import ReportError
     from omnilearn.experiments.report.runs import render, write_tensorboard
@@ -440,7 +205,7 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "bench": bench, "report": report, "simulate": whatif.run, "launch": userlaunch.run}
+COMMANDS = {"train": train_command.train, "bench": bench_command.bench, "report": report, "simulate": whatif.run, "launch": userlaunch.run}
 
 
 def missing_harness_modules() -> list[str]:
@@ -449,7 +214,7 @@ def missing_harness_modules() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from omnilearn.experiments.launch import Interrupted, WorkerFailed
+    from omnilearn.experiments.launch.local import Interrupted, WorkerFailed
     from omnilearn.stopping import Stopped, signal_number
 
     if missing_harness_modules():

@@ -1,7 +1,7 @@
 """``RUN_DIR/model.pt``: a PyTorch model's weights, written atomically (the runtimes that train torch modules).
 
 The TensorFlow runtime writes ``model.weights.h5`` instead
-(:func:`omnilearn.tf.session.save_weights`); the recorders take either as a
+(:func:`omnilearn.tf.batches.save_weights`); the recorders take either as a
 ``save(run_dir)`` callback, so :mod:`omnilearn.observe` needs no torch itself.
 
 Run its tests: ``python -m pytest -q tests/unit/test_rundir.py``

@@ -33,7 +33,7 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     launch`` gives them from its flags.
     """
     try:
-        settings = launched(settings)  # the flags of ``omnilearn launch`` (omnilearn.experiments.userlaunch)
+        settings = launched(settings)  # the flags of ``omnilearn launch`` (omnilearn.experiments.launch.script)
         every, keep = settings.pop("checkpoint_every", 0), settings.pop("keep_checkpoints", 3)
         resume = settings.pop("resume", False)
         check_keywords("omnilearn.tf.setup()", settings, local_batch, handle_signals)

@@ -49,6 +49,9 @@ Refused by name (one line): ``batch_size``
 ``validation_steps``, multi-output losses, ``steps_per_execution``, models
 with metrics other than the compiled ones, and ``fit`` inside ``ol.scope()``.
 
+Why one file over 300 lines: ``fit`` and what only it uses (the reduced metrics, the callback list, the sharded
+validation, BackupAndRestore); the docstring above is most of the length.
+
 Run: ``python -m pytest -q tests/tf/test_tf_fit.py``
 """
 

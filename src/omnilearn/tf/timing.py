@@ -1,6 +1,6 @@
 """A TensorFlow worker's step clock: how long it computed, how long it waited in the all-reduce.
 
-The same split as the PyTorch runtime's :class:`~omnilearn.timing.StepTimer`::
+The same split as the PyTorch runtime's :class:`~omnilearn.clocks.step.StepTimer`::
 
     begin()        the step's batch is handed out
     mark_ready()   its scaled gradients exist (inside the step's graph, from a
@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from omnilearn.hostclock import HostClock
+from omnilearn.clocks.host import HostClock
 
 
 class StepTimes(NamedTuple):

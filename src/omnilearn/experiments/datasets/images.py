@@ -21,12 +21,15 @@ relative to the split root), so nested Places365-style ``a/airfield`` trees work
 entries and non-image files (by extension) are ignored. Note: pickles can run code; only
 load CIFAR files from the official archive.
 
-Up-front checks (:mod:`omnilearn.experiments.preflight`, before any worker starts):
+Up-front checks (:mod:`omnilearn.experiments.train.preflight`, before any worker starts):
 :func:`cifar_root` finds the batch files without reading them; :func:`check_imagefolder`
 scans the tree and decodes a sample (first and last image of each class), since images
 are otherwise decoded only inside the workers, after they started.
 
 Tests:  python -m pytest -q tests/unit/test_data.py
+
+Why one file over 300 lines: CIFAR pickles and class-per-folder trees (ImageFolder, Food-101's layout) share
+their tensors, decoding, checks and augmentation; each reader is short.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``mnist1d_arrays()`` gives ``x``/``x_test`` (float32, standardised by the
 training set's mean and spread) and ``y``/``y_test`` (int64): the arrays
 the PyTorch datasets (:mod:`omnilearn.experiments.datasets.core`) wrap and
-the TensorFlow job (:mod:`omnilearn.experiments.tfjob`) feeds to Keras. The
+the TensorFlow job (:mod:`omnilearn.experiments.train.tfjob`) feeds to Keras. The
 raw arrays are cached as ``.npz`` under ``$OMNILEARN_CACHE`` (default
 ``~/.cache/omnilearn``); nothing is downloaded.
 

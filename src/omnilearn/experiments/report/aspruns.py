@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from omnilearn.experiments.benchstats import eval_points, staleness_histogram
+from omnilearn.experiments.bench.stats import eval_points, staleness_histogram
 from omnilearn.experiments.report.records import WINDOW, ReportError, read_jsonl, rolling_median
 
 Series = dict[int, tuple[list[float], list[float]]]  # rank -> (training time s, values)

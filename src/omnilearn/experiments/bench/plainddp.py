@@ -5,7 +5,7 @@ but the way most PyTorch users write it: ``DistributedSampler``, equal
 batches of ``B / n``, ``DistributedDataParallel`` with its default averaging.
 Only wall time is measured, around the loop and never inside a step: the
 whole loop, and the bench's steady range (from
-:func:`~omnilearn.experiments.benchstats.steady_range_start` to the end, the
+:func:`~omnilearn.experiments.bench.stats.steady_range_start` to the end, the
 range the OmniLearn arms report) as ``steady_step_s``, so the bench can
 compare OmniLearn's per-step overhead at HL1 against it.
 """
@@ -20,12 +20,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from omnilearn.experiments.datasets import core as data
 
-from omnilearn.experiments import workload
-from omnilearn.experiments.benchstats import steady_range_start
+from omnilearn.experiments.train import workload
+from omnilearn.experiments.bench.stats import steady_range_start
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.distributed.group import DistContext
 from omnilearn.observe.rundir import write_json
-from omnilearn.experiments.workload import resolve
+from omnilearn.experiments.train.workload import resolve
 
 
 def train_plain_ddp(cfg: TrainConfig, ctx: DistContext, run_dir: Path | None) -> dict | None:

@@ -1,6 +1,6 @@
 """Across the arms and repeats of ``omnilearn bench``: paired speed-ups, spread, verdicts and the table. Pure.
 
-Input: one row per setting x arm x repeat (:func:`omnilearn.experiments.bench.measure`).
+Input: one row per setting x arm x repeat (:func:`omnilearn.experiments.bench.bsp.measure`).
 
 - :func:`add_paired` fills, per repeat, ``speedup`` (uniform step / the arm's,
   both of that repeat: paired), ``ideal_speedup`` (uniform in-step time / the

@@ -1,9 +1,9 @@
 """``omnilearn train --framework tensorflow``'s worker: the default job as Keras on :mod:`omnilearn.tf`.
 
-One process per worker, started by :mod:`omnilearn.experiments.tflaunch`
+One process per worker, started by :mod:`omnilearn.experiments.launch.tfworkers`
 (or by hand on each machine with its own ``TF_CONFIG``)::
 
-    python -m omnilearn.experiments.tfjob RUN_DIR     # reads RUN_DIR/config.toml; worker 0 writes the run
+    python -m omnilearn.experiments.train.tfjob RUN_DIR     # reads RUN_DIR/config.toml; worker 0 writes the run
 
 The workload is the PyTorch job's, rebuilt in Keras: MNIST-1D (the same
 normalised arrays, :mod:`omnilearn.experiments.datasets.mnist1d`), the same
@@ -16,7 +16,7 @@ interval's end) after a checkpoint; ``--checkpoint-every`` saves one every
 N steps into ``RUN_DIR/checkpoints`` and ``--resume`` (or a restart of the
 launcher's) loads the newest (:mod:`omnilearn.tf.checkpointing`).
 ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` (tests) kills a worker there,
-``OMNILEARN_FAULT_HANG_AT`` stops it (:mod:`omnilearn.experiments.faultinject`).
+``OMNILEARN_FAULT_HANG_AT`` stops it (:mod:`omnilearn.experiments.train.faultinject`).
 Nothing here imports torch.
 
 Exit status: 0 done, 2 a setting this runtime refuses (one ``omnilearn:
@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 
 from omnilearn.config import ConfigError
-from omnilearn.experiments import faultinject
+from omnilearn.experiments.train import faultinject
 from omnilearn.experiments.config import TrainConfig, build, load_toml, normalise_keys
 from omnilearn.experiments.datasets.mnist1d import mnist1d_arrays
 from omnilearn.observe.console import startup, took
@@ -142,7 +142,7 @@ def job_settings(run_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m omnilearn.experiments.tfjob RUN_DIR", file=sys.stderr)
+        print("usage: python -m omnilearn.experiments.train.tfjob RUN_DIR", file=sys.stderr)
         return 2
     install_handlers()
     run_dir = Path(args[0])

@@ -17,7 +17,7 @@ speed change (to within 10% of the ideal), median decision ms. The
 integrator wires ``omnilearn simulate`` to :func:`add_arguments` and :func:`run`.
 See docs/simulate.md.
 
-Run: ``python -m omnilearn.experiments.whatif --workers 64 --noise 0.1 --change 150:0:2``
+Run: ``python -m omnilearn.experiments.simulate.whatif --workers 64 --noise 0.1 --change 150:0:2``
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Sequence
 
 from omnilearn.config import ConfigError
-from omnilearn.experiments.whatif_args import add_arguments, parse_controllers, scenario_from_args
-from omnilearn.experiments.whatif_model import Scenario
-from omnilearn.experiments.whatif_run import run_all, watched
+from omnilearn.experiments.simulate.args import add_arguments, parse_controllers, scenario_from_args
+from omnilearn.experiments.simulate.model import Scenario
+from omnilearn.experiments.simulate.run import run_all, watched
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -92,7 +92,7 @@ def run_whatif(args: argparse.Namespace) -> dict:
     print(f"({len(names)} controllers in {time.perf_counter() - begin:.1f} s; ideal: the balanced split of the true "
           "speeds under the same noise draws, plus sync; reaction: steps after a change until within 10% of it)")
     if args.plot:
-        from omnilearn.experiments.whatif_plot import plot
+        from omnilearn.experiments.simulate.plot import plot
 
         plot(args.plot, traces, ideal_s, watched(sc), sc.change_steps)
         print(f"plot: {args.plot}")
@@ -102,7 +102,7 @@ def run_whatif(args: argparse.Namespace) -> dict:
 
 
 def run_from_bench(args: argparse.Namespace) -> dict:
-    from omnilearn.experiments.whatif_bench import calibrate, predict
+    from omnilearn.experiments.simulate.bench import calibrate, predict
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds {args.seeds} must be at least 1")
@@ -123,7 +123,7 @@ def run_from_bench(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """``omnilearn simulate``: 0 on success; bad input raises :class:`ConfigError`."""
     if args.scenario == "churn":
-        from omnilearn.experiments import simulate
+        from omnilearn.experiments.simulate import churn as simulate
 
         simulate.main(["--workers", str(args.workers)] if args.workers else [])
         return 0

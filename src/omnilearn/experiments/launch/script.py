@@ -9,7 +9,7 @@ start one per machine. ``--speeds`` and ``--out`` reach the script's
 script that gives them itself must agree). Worker 0's output is the
 console; every worker's standard error goes to ``OUT/tf-worker<R>.log``.
 The supervision is ``omnilearn train --framework tensorflow``'s
-(:func:`omnilearn.experiments.tflaunch.supervise`): a worker that exits
+(:func:`omnilearn.experiments.launch.tfworkers.supervise`): a worker that exits
 badly stops the others and is named in one line with the last line of its
 log (exit 1); SIGINT/SIGTERM stop every worker (exit 128 + the signal). A
 worker silent for ``--heartbeat-s`` is named as hung and every worker
@@ -17,7 +17,7 @@ stopped; one that has not joined the cluster after ``--timeout-s`` is named
 by its peers (:mod:`omnilearn.tf.liveness`). ``--checkpoint-every``,
 ``--keep-checkpoints`` and ``--resume`` reach the script's ``setup()``
 (:mod:`omnilearn.tf.checkpointing`); ``--max-restarts K`` starts every
-worker again after a failure, resuming (:func:`omnilearn.experiments.tflaunch.with_restarts`).
+worker again after a failure, resuming (:func:`omnilearn.experiments.launch.tfworkers.with_restarts`).
 
 Multi-node: start ``python script.py`` on each machine with its own
 ``TF_CONFIG`` (docs/tensorflow.md). A PyTorch script is started by
@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnilearn.experiments import tflaunch
+    from omnilearn.experiments.launch import tfworkers as tflaunch
 
     script = Path(args.script)
     if args.framework == "pytorch":

@@ -3,7 +3,7 @@
 watchdog).
 
 With ``OMNILEARN_FAULT_STAMP=<file>`` it first writes the time into that file
-(:mod:`omnilearn.experiments.faultbench` measures the time to resume from it).
+(:mod:`omnilearn.experiments.bench.faults` measures the time to resume from it).
 The trainers skip both in a resumed run (so a restarted run goes past them).
 No torch here.
 """

@@ -8,13 +8,13 @@ How it measures (so a table can be trusted on a shared, noisy host):
   setting back to back, then every arm of the next setting..., then repeat 1
   (arm order rotated per repeat), so machine drift hits every arm alike;
 - every step-time figure comes from the same steady range of steps
-  (:func:`omnilearn.experiments.benchstats.steady_range_start`: the first epoch
+  (:func:`omnilearn.experiments.bench.stats.steady_range_start`: the first epoch
   boundary at or after half the run, where the controller has settled;
   ``paper``: the whole run); plain DDP takes its clock at the same step;
 - speed-ups are paired (per repeat, against that repeat's uniform arm) and
   every figure is reported as mean (min–max) over repeats, with a verdict
   ("faster", "slower", "same (within spread)") only where the repeats agree
-  (:mod:`omnilearn.experiments.benchsummary`).
+  (:mod:`omnilearn.experiments.bench.summary`).
 
 ``--arms`` picks the controllers (default ``uniform,static`` and ``--controller``,
 itself ``omnilearn`` by default), e.g. ``--arms uniform,static,omnilearn,model``.
@@ -33,11 +33,11 @@ import json
 from pathlib import Path
 
 from omnilearn.balance.controllers import CONTROLLERS
-from omnilearn.experiments import launch
-from omnilearn.experiments.benchstats import (arm_figures, fidelity_error, reaction_steps, rows_from_records,
+from omnilearn.experiments.launch import local as launch
+from omnilearn.experiments.bench.stats import (arm_figures, fidelity_error, reaction_steps, rows_from_records,
                                               settle_steps, steady_range_start, steady_wall_step_s, steps_per_epoch,
                                               time_to_accuracy)
-from omnilearn.experiments.benchsummary import add_floor, add_paired, markdown_table, merge
+from omnilearn.experiments.bench.summary import add_floor, add_paired, markdown_table, merge
 from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
 from omnilearn.observe.metrics import read_metrics
 from omnilearn.observe.rundir import RunDirError, prepare, write_json

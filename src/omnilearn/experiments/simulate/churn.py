@@ -23,9 +23,9 @@ this file as the reference baseline for the before/after comparison: every
 sample since the last change, at most 10 windows in BSP and all of them in
 ASP, deadband on the largest single-worker change).
 
-Run: ``python -m omnilearn.experiments.simulate [--legacy] [--workers 4 64] [--intervals 200]``
+Run: ``python -m omnilearn.experiments.simulate.churn [--legacy] [--workers 4 64] [--intervals 200]``
 (also ``omnilearn simulate --scenario churn``; the what-if tool over speed mixes, noise and
-speed changes, and its calibration on a bench, is :mod:`omnilearn.experiments.whatif`).
+speed changes, and its calibration on a bench, is :mod:`omnilearn.experiments.simulate.whatif`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ own process group (a terminal's Ctrl-C reaches the launcher only, which asks
 each rank once) and die with the launcher (parent-death signal, Linux).
 
 What the launcher does when a rank exits, stops, hangs or fails -- and why
-a dead ASP worker does not end the run -- is :mod:`omnilearn.experiments.supervise`.
+a dead ASP worker does not end the run -- is :mod:`omnilearn.experiments.launch.supervise`.
 
 Start-up progress (not when ``quiet``): the launcher says which processes it
 starts, rank 0 how long they took to come up and join (each starts Python
@@ -58,7 +58,7 @@ from omnilearn.distributed.watchdog import (SERVER, Watchdog, exit_on_lost, rank
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.observe.console import startup, took
 from omnilearn.runplan import SpeedScheduleWarning
-from omnilearn.experiments.supervise import (PIDS_FILE, Interrupted, Rules, SignalTrap, WorkerFailed, Workers, outcome,
+from omnilearn.experiments.launch.supervise import (PIDS_FILE, Interrupted, Rules, SignalTrap, WorkerFailed, Workers, outcome,
                                              supervise)
 
 __all__ = ["Interrupted", "Job", "WorkerFailed", "first_failure", "processes", "run_local", "run_torchrun"]
@@ -82,14 +82,14 @@ class Job:
 def _run_job(job: Job, ctx: group.DistContext) -> dict | None:
     run_dir = job.run_dir if ctx.is_main else None
     if job.kind == "ddp":
-        from omnilearn.experiments.plainddp import train_plain_ddp
+        from omnilearn.experiments.bench.plainddp import train_plain_ddp
 
         return train_plain_ddp(job.cfg, ctx, run_dir)
     if mode_of(job) == "asp":
-        from omnilearn.experiments.asp_train import train_asp
+        from omnilearn.experiments.train.asp import train_asp
 
         return train_asp(job.cfg, ctx, run_dir)
-    from omnilearn.experiments.trainer import BSPTrainer
+    from omnilearn.experiments.train.trainer import BSPTrainer
 
     return BSPTrainer(job.cfg, ctx, run_dir).fit()
 
@@ -222,7 +222,7 @@ def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
     """Spawn the ranks of ``jobs[0].cfg`` (:func:`processes`) once and run every job in them, in order.
 
     Raises :class:`WorkerFailed` naming the rank at fault, or :class:`Interrupted` after a stop; an ASP run
-    whose server finished returns, warning about each worker it lost (:mod:`omnilearn.experiments.supervise`).
+    whose server finished returns, warning about each worker it lost (:mod:`omnilearn.experiments.launch.supervise`).
     Call it from the main thread: elsewhere signals are not trapped (the workers still die with it).
     """
     modes = {mode_of(job) for job in jobs}

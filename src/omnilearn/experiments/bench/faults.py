@@ -1,7 +1,7 @@
 """What a failure costs: work lost, time to resume, checkpoint size and save time. Real runs, one at a time.
 
-    python -m omnilearn.experiments.faultbench            # ~3 minutes on 2 cores
-    python -m omnilearn.experiments.faultbench --steps 400 --every 100 --kill-at 330
+    python -m omnilearn.experiments.bench.faults            # ~3 minutes on 2 cores
+    python -m omnilearn.experiments.bench.faults --steps 400 --every 100 --kill-at 330
 
 Three runs of ``omnilearn train`` in sequence (never run it beside other jobs):
 
@@ -64,7 +64,7 @@ def rel_diff(a: Path, b: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m omnilearn.experiments.faultbench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m omnilearn.experiments.bench.faults", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="steps of the default job (default 300)")
     p.add_argument("--every", type=int, default=100, help="--checkpoint-every (default 100)")

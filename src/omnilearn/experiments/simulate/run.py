@@ -1,4 +1,4 @@
-"""Run one controller through a :class:`~omnilearn.experiments.whatif_model.Scenario`, step by step, and sum it up.
+"""Run one controller through a :class:`~omnilearn.experiments.simulate.model.Scenario`, step by step, and sum it up.
 
 The controller is the library's own (:func:`~omnilearn.balance.controllers.make_controller`
 inside a :class:`~omnilearn.balance.loop.ControlLoop`), fed the way the BSP
@@ -22,7 +22,7 @@ import numpy as np
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.balance.windows import window_row, window_table
-from omnilearn.experiments.whatif_model import NoiseStream, Scenario, balanced
+from omnilearn.experiments.simulate.model import NoiseStream, Scenario, balanced
 
 REACTION_TOLERANCE, REACTION_WINDOW = 0.10, 5  # as the bench: within 10% of ideal, that step and a 5-step median
 

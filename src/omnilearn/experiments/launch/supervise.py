@@ -1,6 +1,6 @@
 """Supervise a local launch: watch the rank processes, decide what each exit means, stop the rest, name the cause.
 
-Who sends what, when. The launcher (:func:`omnilearn.experiments.launch.run_local`)
+Who sends what, when. The launcher (:func:`omnilearn.experiments.launch.local.run_local`)
 spawns one process per rank (:class:`Workers`), polls their exits every
 :data:`POLL_S` (:func:`supervise`) and talks to them with signals only:
 SIGTERM asks a rank to stop at its next safe point (:mod:`omnilearn.stopping`),

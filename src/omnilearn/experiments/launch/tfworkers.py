@@ -1,7 +1,7 @@
 """Start the TensorFlow workers of ``omnilearn train --framework tensorflow`` on this machine, and watch them.
 
 Who does what. The launcher picks ``--workers`` free localhost ports and
-starts one process per worker (``python -m omnilearn.experiments.tfjob
+starts one process per worker (``python -m omnilearn.experiments.train.tfjob
 RUN_DIR``), each with its own ``TF_CONFIG`` (the cluster's addresses, its
 index): a ``MultiWorkerMirroredStrategy`` cluster over gRPC, as a
 TensorFlow user would start one on several machines. Worker 0's standard
@@ -11,12 +11,12 @@ own messages, a traceback) goes to ``RUN_DIR/tf-worker<R>.log``.
 When a worker exits badly, or stops beating for ``--heartbeat-s`` (hung:
 :mod:`omnilearn.tf.liveness`), the others (waiting in a collective for it,
 which would end in the strategy's timeout) get SIGTERM, then SIGKILL after
-:data:`GRACE_S`, and :class:`~omnilearn.experiments.supervise.WorkerFailed`
+:data:`GRACE_S`, and :class:`~omnilearn.experiments.launch.supervise.WorkerFailed`
 names the first worker that failed with the last line of its log; with
 ``--max-restarts K`` every worker starts again from the newest checkpoint,
 up to K times (:func:`with_restarts`). SIGINT
 or SIGTERM to the launcher stops every worker the same way
-(:class:`~omnilearn.experiments.supervise.Interrupted`). Worker processes
+(:class:`~omnilearn.experiments.launch.supervise.Interrupted`). Worker processes
 sit in their own process group and die with the launcher (parent-death signal).
 
 Run: ``python -m pytest -q tests/tf/test_tf_train.py``
@@ -37,8 +37,8 @@ from typing import Callable
 
 from omnilearn.config import dump_toml
 from omnilearn.experiments.config import TrainConfig
-from omnilearn.experiments.tfjob import JOB_CONFIG_ENV
-from omnilearn.experiments.supervise import Interrupted, SignalTrap, WorkerFailed, signal_name
+from omnilearn.experiments.train.tfjob import JOB_CONFIG_ENV
+from omnilearn.experiments.launch.supervise import Interrupted, SignalTrap, WorkerFailed, signal_name
 from omnilearn.observe.console import startup
 from omnilearn.observe.recorder import FAILED_AT_ENV
 from omnilearn.tf import liveness
@@ -113,7 +113,7 @@ def run_local(cfg: TrainConfig, run_dir: Path) -> None:
     checkpoint after a failure up to ``--max-restarts`` times (see :func:`with_restarts`)."""
     def attempt(resume: bool) -> None:
         settings = dump_toml(dataclasses.replace(cfg, resume=resume))  # this attempt's: --workers may differ
-        supervise(cfg.workers, cfg.device, run_dir, [sys.executable, "-m", "omnilearn.experiments.tfjob",
+        supervise(cfg.workers, cfg.device, run_dir, [sys.executable, "-m", "omnilearn.experiments.train.tfjob",
                   str(run_dir)], {JOB_CONFIG_ENV: settings}, quiet=cfg.quiet, heartbeat_s=cfg.heartbeat_s)
 
     with_restarts(attempt, run_dir, cfg.max_restarts, cfg.resume)
@@ -146,7 +146,7 @@ def supervise(workers: int, device: str, run_dir: Path, command: list[str], extr
               quiet: bool = False, heartbeat_s: float | None = None) -> None:
     """Run ``command`` as ``workers`` TensorFlow workers to the end; raise WorkerFailed (or Interrupted) naming the
     cause: a worker that exits badly, or one silent for ``heartbeat_s`` (:func:`omnilearn.tf.liveness.silent`).
-    Also the launcher of a user's own script (:mod:`omnilearn.experiments.userlaunch`)."""
+    Also the launcher of a user's own script (:mod:`omnilearn.experiments.launch.script`)."""
     startup(f"starting {workers} TensorFlow worker processes (tf.distribute MultiWorkerMirroredStrategy; "
             f"each imports TensorFlow: seconds); their logs: {log_path(run_dir, 0).name} ...", quiet)
     first: int | None = None  # the first worker seen ending badly (the others are stopped after it)

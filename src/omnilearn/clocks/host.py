@@ -4,7 +4,7 @@
 (:class:`~omnilearn.emulation.delay.Clock`): ``elapsed_s``, ``add_delay``
 and the native compute so far (:meth:`HostClock.host_native_s`: process CPU
 time for a worker computing on one thread, else wall time). The PyTorch
-:class:`~omnilearn.timing.StepTimer` adds CUDA events and the gradient
+:class:`~omnilearn.clocks.step.StepTimer` adds CUDA events and the gradient
 hook's marks; the TensorFlow :class:`~omnilearn.tf.timing.StepClock` the
 mark inside its step's graph.
 

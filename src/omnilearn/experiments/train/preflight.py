@@ -38,7 +38,7 @@ from omnilearn.emulation.speeds import SpeedError, load_schedule, paper_schedule
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.datasets import core as data
 from omnilearn.experiments.datasets import images, text
-from omnilearn.experiments.workload import data_spec
+from omnilearn.experiments.train.workload import data_spec
 from omnilearn.observe.rundir import RunDirError, check_out, existing_parent, filesystem, size_text
 
 OVERSUBSCRIBE_PER_CORE = 8  # local processes per usable core, beyond which --oversubscribe is needed

@@ -8,7 +8,7 @@ samples/s, the mean time inside the steps, ``T*`` and balance efficiency
 (see :mod:`omnilearn.balance.efficiency`), each worker's mean batch, compute
 and wait; for a dynamic routine the reaction and settle time after each speed
 change. Across arms and repeats (paired speed-ups, spread, verdicts, the
-table): :mod:`omnilearn.experiments.benchsummary`. For ``bench --mode asp``:
+table): :mod:`omnilearn.experiments.bench.summary`. For ``bench --mode asp``:
 accuracy at a training-time budget and at equal epochs of data, staleness
 histograms, repeats as mean and range, and its table.
 
@@ -114,7 +114,7 @@ def steady_range_start(total_steps: int, steps_per_epoch: int, dynamic: bool = F
 
     Epoch boundaries are where a run's training clock is read (its evaluations), so the wall time of the
     range is exact; ``plainddp`` takes its clock at the same step. ``dynamic`` (a speed schedule): step 0,
-    the whole run. Warm-up is a separate, unmeasured job (:mod:`omnilearn.experiments.bench`).
+    the whole run. Warm-up is a separate, unmeasured job (:mod:`omnilearn.experiments.bench.bsp`).
     """
     if dynamic or total_steps <= 1:
         return 0

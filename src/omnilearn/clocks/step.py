@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omnilearn.hostclock import HostClock
+from omnilearn.clocks.host import HostClock
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ starts over, with an ``omnilearn: warning:`` line saying so and a
 
 Fault injection for tests: ``OMNILEARN_FAULT_KILL_AT=<rank>:<step>`` makes
 that rank SIGKILL itself when it reaches ``step`` in a run that is not a
-resume (so a restarted run goes past it; :mod:`omnilearn.experiments.faultinject`).
+resume (so a restarted run goes past it; :mod:`omnilearn.experiments.train.faultinject`).
 ``OMNILEARN_FAULT_OOM=<rank>:<samples>`` emulates a memory cap on that rank
 (:mod:`omnilearn.bsp.memory`): the run goes on at a lower cap.
 
@@ -45,10 +45,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from omnilearn.bsp.session import Session
 from omnilearn.stopping import Stopped, reason
 from omnilearn.distributed.group import DistContext
-from omnilearn.experiments import faultinject, workload
+from omnilearn.experiments.train import faultinject
+from omnilearn.experiments.train import workload
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.datasets import core as data
-from omnilearn.experiments.workload import PREFETCH_FACTOR, resolve
+from omnilearn.experiments.train.workload import PREFETCH_FACTOR, resolve
 from omnilearn.observe.console import startup, took, warn
 
 

@@ -1,4 +1,4 @@
-"""``omnilearn simulate`` flags, and the :class:`~omnilearn.experiments.whatif_model.Scenario` they describe.
+"""``omnilearn simulate`` flags, and the :class:`~omnilearn.experiments.simulate.model.Scenario` they describe.
 
 Every bad value raises :class:`~omnilearn.config.ConfigError` with one line
 naming the flag (the CLI prints ``omnilearn: error: ...`` and exits 2).
@@ -14,13 +14,13 @@ from omnilearn.balance.allocation import InfeasibleBounds, round_shares
 from omnilearn.balance.controllers import CONTROLLERS
 from omnilearn.config import ConfigError
 from omnilearn.emulation.speeds import BSP_LEVELS, SpeedError, paper_schedule, parse_speeds
-from omnilearn.experiments.whatif_model import GPU_SPEEDS, Change, Scenario, ring_allreduce_s, with_changes
+from omnilearn.experiments.simulate.model import GPU_SPEEDS, Change, Scenario, ring_allreduce_s, with_changes
 
 DEFAULT_MIX = "a100:0.25,v100:0.5,t4:0.25"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``omnilearn simulate`` (also ``python -m omnilearn.experiments.whatif``)."""
+    """The flags of ``omnilearn simulate`` (also ``python -m omnilearn.experiments.simulate.whatif``)."""
     add = p.add_argument
     add("--workers", type=int, help="simulated workers, 2 to 10,000 (default: from --speeds, else 4)")
     add("--speeds", help=f"relative speeds, a comma list (8,1,1,1) or a level ({', '.join(BSP_LEVELS)}); "
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the bench's last of HL2-HL8)")
     add("--seeds", type=int, default=8, help="with --from-bench: simulated repeats per arm (default 8)")
     add("--scenario", choices=("whatif", "churn"), default="whatif",
-        help="churn: the loop's churn/follow/decision-time table of `python -m omnilearn.experiments.simulate`")
+        help="churn: the loop's churn/follow/decision-time table of `python -m omnilearn.experiments.simulate.churn`")
 
 
 def parse_controllers(text: str) -> list[str]:

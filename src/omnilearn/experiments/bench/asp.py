@@ -18,7 +18,7 @@ arms stop at the budget (``max_time_s``); BSP has no time limit, so its
 epoch of data, and one at the end) at or before the budget; "at equal epochs",
 of each arm's last 3 up to the largest number of whole epochs of data that
 every arm of the setting reached in that repeat (a single evaluation moves by
-2-4 points from epoch to epoch: docs/asp.md) (:func:`~omnilearn.experiments.benchstats.epoch_accuracies`),
+2-4 points from epoch to epoch: docs/asp.md) (:func:`~omnilearn.experiments.bench.stats.epoch_accuracies`),
 so an arm is not credited for getting through more data in the time.
 Repeat k runs every arm with seed ``--seed + k`` (default 3 repeats, ``--quick``
 1); figures are the mean and min–max over repeats. Unless ``--lr-schedule``
@@ -43,10 +43,10 @@ from pathlib import Path
 from statistics import fmean
 from typing import Callable
 
-from omnilearn.experiments import launch
-from omnilearn.experiments.bench import Arm
-from omnilearn.experiments.bench import parse_settings as parse_any_setting
-from omnilearn.experiments.benchstats import (SMOOTH_EVALS, accuracy_at_epochs, accuracy_at_time, add_histograms, asp_markdown_table, epoch_accuracies,
+from omnilearn.experiments.launch import local as launch
+from omnilearn.experiments.bench.bsp import Arm
+from omnilearn.experiments.bench.bsp import parse_settings as parse_any_setting
+from omnilearn.experiments.bench.stats import (SMOOTH_EVALS, accuracy_at_epochs, accuracy_at_time, add_histograms, asp_markdown_table, epoch_accuracies,
                                               equal_epochs, eval_points, spread, staleness_histogram, time_to_accuracy)
 from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
 from omnilearn.observe.metrics import read_metrics
@@ -254,8 +254,8 @@ def _options(args, budget_s: float | None) -> tuple[str, tuple[str, ...], float,
 def command(args, make_config: Callable[..., TrainConfig], render: Callable[[Path], None], budget_s: float | None,
             repeats: int, target: float | None) -> int:
     """The CLI's ``bench --mode asp`` (``make_config``/``render``: the CLI's config builder and plotter)."""
-    from omnilearn.experiments import workload
-    from omnilearn.experiments.workload import resolve
+    from omnilearn.experiments.train import workload
+    from omnilearn.experiments.train.workload import resolve
 
     length, settings, budget_s, steps = _options(args, budget_s)
     base = make_config(args, speeds=None, out=None, quiet=True)

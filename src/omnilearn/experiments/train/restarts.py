@@ -6,7 +6,7 @@
 - :func:`run_local_with_restarts`: the local launcher, again from the newest
   checkpoint after a failure, up to ``--max-restarts`` times; the failed
   attempt's error logs move to ``RUN_DIR/failures/attempt-<k>/``. Never after
-  a stop signal (:class:`~omnilearn.experiments.launch.Interrupted`).
+  a stop signal (:class:`~omnilearn.experiments.launch.local.Interrupted`).
 - :func:`torchrun_restart`: how many times torchrun restarted this rank's job;
   a restarted rank resumes the run in ``--out``.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.config import ConfigError
 from omnilearn.distributed.group import launched_by_torchrun
-from omnilearn.experiments import launch
+from omnilearn.experiments.launch import local as launch
 from omnilearn.experiments.config import TrainConfig, load_toml
 from omnilearn.observe.recorder import FAILED_AT_ENV
 

@@ -27,7 +27,7 @@ from omnilearn.asp.settings import ASPSettings
 from omnilearn.asp.worker import ASPWorker, worker_device
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.distributed.group import DistContext
-from omnilearn.experiments import workload
+from omnilearn.experiments.train import workload
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.datasets.core import Splits
 
