@@ -249,8 +249,10 @@ def _slow(evaluate, model):
 
 def _server_with_slow_eval(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
+    # 39 steps per epoch: one evaluation mid-run. Uniform batches: with the measured controller a busy host once
+    # moved the split so far that 90 pushes dealt under one epoch of samples, and the mid-run evaluation never came.
     cfg = TrainConfig(mode="asp", workers=2, speeds="1,1", global_batch=256, max_steps=45, timeout_s=3.0,
-                      lr_schedule="constant", quiet=True)  # 39 steps per epoch: one evaluation mid-run
+                      controller="uniform", lr_schedule="constant", quiet=True)
     ctx = DistContext(rank, 3, rank, 3, torch.device("cpu"), "gloo")
     try:
         if rank == 0:
