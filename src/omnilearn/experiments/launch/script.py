@@ -17,7 +17,7 @@ stopped; one that has not joined the cluster after ``--timeout-s`` is named
 by its peers (:mod:`omnilearn.tf.liveness`). ``--checkpoint-every``,
 ``--keep-checkpoints`` and ``--resume`` reach the script's ``setup()``
 (:mod:`omnilearn.tf.checkpointing`); ``--max-restarts K`` starts every
-worker again after a failure, resuming (:func:`omnilearn.experiments.launch.tfworkers.with_restarts`).
+worker again after a failure, resuming (:func:`omnilearn.experiments.train.restarts.with_restarts`).
 
 Multi-node: start ``python script.py`` on each machine with its own
 ``TF_CONFIG`` (docs/tensorflow.md). A PyTorch script is started by
@@ -71,6 +71,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from omnilearn.experiments.launch import tfworkers as tflaunch
+    from omnilearn.experiments.train import restarts
 
     script = Path(args.script)
     if args.framework == "pytorch":
@@ -84,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     workers = _workers(args.workers, args.speeds)
     _check_numbers(args)
     if args.resume:
-        out = Path(args.out or "")
-        if args.out is None or not (out / "config.toml").is_file():
+        if args.out is None:
+            raise ConfigError("--resume needs --out: the run directory to continue")
+        out = Path(args.out)
+        if not (out / "config.toml").is_file():
             raise ConfigError(f"--resume: --out {args.out!r} holds no run (no config.toml); give the run's directory, "
                               "or start a new run without --resume")
     else:
@@ -106,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
         tflaunch.supervise(workers, args.device, out, [sys.executable, str(script), *args.args],
                            {LAUNCH_ENV: json.dumps({**given, "resume": resume})}, heartbeat_s=args.heartbeat_s)
 
-    tflaunch.with_restarts(attempt, out, args.max_restarts, args.resume)
+    def where() -> str:  # the launcher's own checkpoints, else whatever the script keeps (BackupAndRestore)
+        return tflaunch.tf_checkpoint(out) if args.checkpoint_every else "the script's own checkpoints, if any"
+
+    restarts.with_restarts(attempt, out, args.max_restarts, args.resume, "tf-worker*.log", where)
     return 0
 
 

@@ -14,7 +14,7 @@ which would end in the strategy's timeout) get SIGTERM, then SIGKILL after
 :data:`GRACE_S`, and :class:`~omnilearn.experiments.launch.supervise.WorkerFailed`
 names the first worker that failed with the last line of its log; with
 ``--max-restarts K`` every worker starts again from the newest checkpoint,
-up to K times (:func:`with_restarts`). SIGINT
+up to K times (:func:`omnilearn.experiments.train.restarts.with_restarts`). SIGINT
 or SIGTERM to the launcher stops every worker the same way
 (:class:`~omnilearn.experiments.launch.supervise.Interrupted`). Worker processes
 sit in their own process group and die with the launcher (parent-death signal).
@@ -33,14 +33,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 from omnilearn.config import dump_toml
 from omnilearn.experiments.config import TrainConfig
+from omnilearn.experiments.train import restarts
 from omnilearn.experiments.train.tfjob import JOB_CONFIG_ENV
 from omnilearn.experiments.launch.supervise import Interrupted, SignalTrap, WorkerFailed, signal_name
 from omnilearn.observe.console import startup
-from omnilearn.observe.recorder import FAILED_AT_ENV
 from omnilearn.tf import liveness
 from omnilearn.tf.cluster import LOCAL_WORKERS_ENV, free_ports, local_config
 from omnilearn.tf.liveness import BEAT_DIR_ENV
@@ -110,36 +109,20 @@ def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
 
 def run_local(cfg: TrainConfig, run_dir: Path) -> None:
     """Run the workers of ``omnilearn train --framework tensorflow`` to the end, restarting them from the newest
-    checkpoint after a failure up to ``--max-restarts`` times (see :func:`with_restarts`)."""
+    checkpoint after a failure up to ``--max-restarts`` times (:func:`~omnilearn.experiments.train.restarts.with_restarts`)."""
     def attempt(resume: bool) -> None:
         settings = dump_toml(dataclasses.replace(cfg, resume=resume))  # this attempt's: --workers may differ
         supervise(cfg.workers, cfg.device, run_dir, [sys.executable, "-m", "omnilearn.experiments.train.tfjob",
                   str(run_dir)], {JOB_CONFIG_ENV: settings}, quiet=cfg.quiet, heartbeat_s=cfg.heartbeat_s)
 
-    with_restarts(attempt, run_dir, cfg.max_restarts, cfg.resume)
+    restarts.with_restarts(attempt, run_dir, cfg.max_restarts, cfg.resume, "tf-worker*.log",
+                           lambda: tf_checkpoint(run_dir))
 
 
-def with_restarts(attempt: Callable[[bool], None], run_dir: Path, max_restarts: int, resume: bool) -> None:
-    """``attempt(resume)``; after a worker failure (never a stop asked for), again with ``resume=True`` up to
-    ``max_restarts`` times. The failed attempt's worker logs move to ``RUN_DIR/failures/attempt-<k>/``."""
-    restarts = 0
-    while True:
-        try:
-            attempt(resume)
-            return
-        except WorkerFailed as e:
-            if restarts >= max_restarts or isinstance(e, Interrupted):
-                raise
-            restarts, resume = restarts + 1, True
-            kept = run_dir / "failures" / f"attempt-{restarts}"
-            kept.mkdir(parents=True, exist_ok=True)
-            for log in run_dir.glob("tf-worker*.log"):
-                log.replace(kept / log.name)
-            steps = sorted(run_dir.glob("checkpoints/step-*/session.json"))
-            where = f"the checkpoint of step {int(steps[-1].parent.name[5:])}" if steps else "step 0 (no checkpoint yet)"
-            print(f"omnilearn: {e}; restart {restarts} of {max_restarts} from {where} (logs kept in {kept})",
-                  file=sys.stderr, flush=True)
-            os.environ[FAILED_AT_ENV] = f"{time.time():.6f}"  # the resumed run reports the time it took
+def tf_checkpoint(run_dir: Path) -> str:
+    """What a restart resumes from: the newest TensorFlow checkpoint in ``RUN_DIR/checkpoints``."""
+    steps = sorted(run_dir.glob("checkpoints/step-*/session.json"))
+    return f"the checkpoint of step {int(steps[-1].parent.name[5:])}" if steps else "step 0 (no checkpoint yet)"
 
 
 def supervise(workers: int, device: str, run_dir: Path, command: list[str], extra_env: dict[str, str] | None = None,

@@ -34,8 +34,7 @@ import numpy as np
 
 from omnilearn.config import ConfigError
 from omnilearn.emulation.speeds import BSP_LEVELS
-from omnilearn.experiments.bench.stats import (rows_from_records, steady_range_start, steady_wall_step_s,
-                                              steps_per_epoch)
+from omnilearn.experiments.bench.stats import (rows_from_records, steady_wall_step_s)
 from omnilearn.experiments.simulate.model import Scenario
 from omnilearn.experiments.simulate.run import run_controller
 from omnilearn.observe.metrics import read_metrics

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.config import ConfigError
@@ -61,19 +62,29 @@ def check_resume(cfg: TrainConfig, original: TrainConfig) -> None:
 
 def run_local_with_restarts(cfg: TrainConfig, run_dir: Path) -> None:
     """Run the local workers; after a failure resume from the newest checkpoint, ``cfg.max_restarts`` times."""
-    attempt = 0
+    with_restarts(lambda resume: launch.run_local([launch.Job(dataclasses.replace(cfg, resume=resume), run_dir)],
+                                                  run_dir),
+                  run_dir, cfg.max_restarts, cfg.resume, "error-rank*.log", lambda: latest_checkpoint(run_dir))
+
+
+def with_restarts(attempt: Callable[[bool], None], run_dir: Path, max_restarts: int, resume: bool, logs: str,
+                  where: Callable[[], str]) -> None:
+    """``attempt(resume)``; after a worker failure (never a stop asked for: :class:`~omnilearn.experiments.launch.
+    supervise.Interrupted`), again with ``resume=True``, up to ``max_restarts`` times. The failed attempt's logs
+    (the ``logs`` pattern in ``run_dir``) move to ``RUN_DIR/failures/attempt-<k>/``; ``where()`` says what the
+    restart resumes from. Both launchers' (PyTorch, TensorFlow) restart loop."""
+    restarts = 0
     while True:
         try:
-            launch.run_local([launch.Job(cfg, run_dir)], run_dir)
+            attempt(resume)
             return
         except launch.WorkerFailed as e:
-            if attempt >= cfg.max_restarts or isinstance(e, launch.Interrupted):
+            if restarts >= max_restarts or isinstance(e, launch.Interrupted):
                 raise
-            attempt += 1
-            kept = keep_failure_logs(run_dir, attempt)
-            print(f"omnilearn: {e}; restart {attempt} of {cfg.max_restarts} from {latest_checkpoint(run_dir)} "
-                  f"(logs kept in {kept})", file=sys.stderr, flush=True)
-            cfg = dataclasses.replace(cfg, resume=True)
+            restarts, resume = restarts + 1, True
+            kept = keep_failure_logs(run_dir, restarts, logs)
+            print(f"omnilearn: {e}; restart {restarts} of {max_restarts} from {where()} (logs kept in {kept})",
+                  file=sys.stderr, flush=True)
             os.environ[FAILED_AT_ENV] = f"{time.time():.6f}"  # the resumed run reports the time it took
 
 
@@ -82,11 +93,11 @@ def torchrun_restart() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if launched_by_torchrun() else 0
 
 
-def keep_failure_logs(run_dir: Path, attempt: int) -> Path:
-    """Move the failed attempt's ``error-rank*.log`` to ``RUN_DIR/failures/attempt-<k>/``."""
+def keep_failure_logs(run_dir: Path, attempt: int, logs: str = "error-rank*.log") -> Path:
+    """Move the failed attempt's logs (``error-rank*.log``, or the ``logs`` pattern) to ``RUN_DIR/failures/attempt-<k>/``."""
     kept = run_dir / "failures" / f"attempt-{attempt}"
     kept.mkdir(parents=True, exist_ok=True)
-    for log in run_dir.glob("error-rank*.log"):
+    for log in run_dir.glob(logs):
         log.replace(kept / log.name)
     return kept
 
