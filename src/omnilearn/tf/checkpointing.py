@@ -59,7 +59,6 @@ class Checkpoints:
             raise ConfigError(f"keep_checkpoints={keep!r} must be at least 1")
         self.session, self.directory, self.every, self.keep = session, Path(directory), every, keep
         self.next_due: int | None = None
-        self.loaded_step: int | None = None
 
     def steps(self) -> list[int]:
         """The committed checkpoints' steps, oldest first."""
@@ -143,7 +142,6 @@ class Checkpoints:
                 s.optimizer.build(s.model.trainable_variables)
         tf.train.Checkpoint(model=s.model, optimizer=s.optimizer).read(str(path / "model")).expect_partial()
         load_session_state(s, state)
-        self.loaded_step = newest
         if s.telemetry is not None:
             s.telemetry.loaded(time.perf_counter() - start)
         return True
