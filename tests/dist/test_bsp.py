@@ -39,6 +39,7 @@ from omnilearn.data.plan import GlobalPlan
 from omnilearn.decisions import SCRIPTED_ENV
 from omnilearn.experiments.train import workload
 from omnilearn.experiments.config import TrainConfig
+from omnilearn.balance.efficiency import StepRow, balance_efficiency, worker_stats
 from omnilearn.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
@@ -154,6 +155,14 @@ def test_run_directory_holds_config_metrics_summary_and_model(tmp_path, monkeypa
     assert {"step", "epoch", "rank", "batch", "compute_s", "wait_s", "step_s", "loss", "lr"} <= steps[0].keys()
     for s in range(24):
         assert sum(r["batch"] for r in steps if r["step"] == s) == 128
+    for rank in range(2):  # each rank wrote its own rows; rank 0's summary came from reduced totals
+        own = [json.loads(line) for line in (out / "steps" / f"rank-{rank}.jsonl").read_text().splitlines()]
+        assert len(own) == 24 and {r["rank"] for r in own} == {rank}
+    rows = [StepRow(r["step"], r["rank"], r["batch"], r["compute_s"], r["wait_s"], r["step_s"]) for r in steps]
+    first = summary["stats_from_step"]
+    assert summary["balance_efficiency"] == pytest.approx(balance_efficiency(rows, first), rel=1e-9)
+    assert [w["mean_wait_s"] for w in summary["workers"]] == pytest.approx(
+        [w.mean_wait_s for w in worker_stats(rows, first)], rel=1e-9)
     assert [d["step"] for d in read_metrics(out, "decision")] == [7, 15, 23]  # one per interval end
     assert read_metrics(out, "eval")
     for key in ("steps", "wall_s", "samples_per_s", "final_train_loss", "test_accuracy", "balance_efficiency"):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from runfiles import has_step_rows
 
 Proc = tuple[int, str]  # (pid, start time in clock ticks): one process, never a later one with the same pid
 
@@ -98,8 +99,7 @@ class TrainRun:
         return sorted(pid for pid, start in procs if alive((pid, start)))
 
     def training(self) -> bool:
-        metrics = self.run_dir / "metrics.jsonl"
-        return metrics.exists() and '"event":"step"' in metrics.read_text()
+        return has_step_rows(self.run_dir)
 
 
 @pytest.fixture

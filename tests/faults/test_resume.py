@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from runfiles import after_last_resume, raw_events
 
 from omnilearn import checkpoint
 from omnilearn.checkpoint import CheckpointStore
@@ -69,14 +70,11 @@ def stopped_at(src: Path, dst: Path, step: int) -> Path:
 
 
 def events(run: Path, kind: str) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == kind]
+    return raw_events(run, kind)
 
 
 def after_resume(run: Path, kind: str) -> list[dict]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    last = max(i for i, r in enumerate(records) if r["event"] == "resume")
-    return [r for r in records[last:] if r["event"] == kind]
+    return after_last_resume(run, kind)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runfiles import raw_events
 
 pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
 h5py = pytest.importorskip("h5py")
@@ -60,8 +61,9 @@ def weights(out: Path) -> dict[str, np.ndarray]:
 
 
 def events(out: Path, kind: str) -> list[dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
+    """As written (a resumed run's redone steps twice); step rows by step, then rank."""
+    records = raw_events(out, kind)
+    return sorted(records, key=lambda e: (e["step"], e["rank"])) if kind == "step" else records
 
 
 def float64_keras_home(base: Path) -> Path:

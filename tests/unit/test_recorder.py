@@ -2,9 +2,12 @@
 
 - :class:`SuffixStats` answers any suffix exactly (property test against brute force) holding at most one
   aggregate per chunk plus one open chunk.
-- BSP ``Telemetry``: every row reaches ``metrics.jsonl``; the summary equals the old formulas of
-  :mod:`omnilearn.balance.efficiency` over all rows kept in memory; what it holds does not grow with the
-  steps beyond the per-chunk aggregates (the old ``Telemetry.rows`` grew by n rows per step).
+- BSP ``Telemetry``: every row reaches its rank's ``steps/rank-<r>.jsonl``; the summary equals the old
+  formulas of :mod:`omnilearn.balance.efficiency` over all rows kept in memory, both from every rank's rows
+  at once and the session's way (each rank its own rows and sums, rank 0 the reduced per-step totals and
+  the gathered sums); what it holds does not grow with the steps beyond the per-chunk aggregates (the old
+  ``Telemetry.rows`` grew by n rows per step). A resume voids the redone rows of every rank's file, those
+  of ranks a smaller restart no longer has included.
 - ASP ``ASPLog``: the per-worker "last half" means and maxima equal a brute force over all pushes.
 - ``EventRecorder``: decision events carry ``effective_step``/``predicted_s`` when the decision has them
   and work without; ``summary.json`` and ``model.pt`` are replaced atomically (no temp file left); a resumed
@@ -37,6 +40,7 @@ from omnilearn.emulation.speeds import SpeedSchedule
 from omnilearn.observe.asplog import ASPLog
 from omnilearn.observe.events import EventRecorder
 from omnilearn.observe.modelfile import saver
+from omnilearn.observe.rankrows import RankRows, Totals, partials, void_gone
 from omnilearn.observe.recorder import Telemetry
 from omnilearn.observe.metrics import read_metrics
 from omnilearn.observe.suffix import CHUNK_RECORDS, SuffixStats
@@ -155,7 +159,8 @@ def test_bsp_summary_equals_the_old_formulas_and_every_row_is_written(tmp_path, 
     assert len(read_metrics(tmp_path, "decision")) == len(tables)
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == count
     assert torch.load(tmp_path / "model.pt", weights_only=True).keys() == {"weight", "bias"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model.pt", "summary.json"]  # no temp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model.pt", "steps", "summary.json"]  # no temp
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == [f"rank-{r}.jsonl" for r in range(N)]
 
 
 def held_items(obj, seen=None) -> int:
@@ -173,6 +178,57 @@ def held_items(obj, seen=None) -> int:
     if type(obj).__module__.startswith("omnilearn") and hasattr(obj, "__dict__"):
         return sum(held_items(v, seen) for v in vars(obj).values())
     return 0
+
+
+@pytest.mark.parametrize("count", [1, 5, 300])
+def test_the_sessions_way_own_rows_and_reduced_totals_gives_the_old_summary(tmp_path, count):
+    """Each rank writes its rows and keeps its sums; rank 0 sees only what two reductions and one gather bring."""
+    cfg, run = bsp_setup(tmp_path)
+    telemetry = Telemetry(cfg, run, tmp_path, own_rows=True)
+    telemetry.speeds(0, (4.0, 2.0, 1.0))
+    ranks = [RankRows(rank, run.steps_per_epoch, tmp_path) for rank in range(N)]
+    rng, tables, steps = random.Random(3), [], list(range(count))
+    for k in range(0, count, INTERVAL):
+        table = synthetic_table(steps[k : k + INTERVAL], rng)
+        parts = [partials(rows) for rows in table]
+        for rank_rows, rows in zip(ranks, table):
+            rank_rows.add(rows)
+        summed = [sum(v) for v in zip(*(p[0] for p in parts))]  # what dist.reduce(SUM) hands rank 0
+        maxed = [max(v) for v in zip(*(p[1] for p in parts))]  # and dist.reduce(MAX)
+        totals = Totals.of([int(r[0]) for r in table[0]], summed, maxed, N, B)
+        telemetry.window(totals, hold(table[0][-1][0]), count)
+        tables.append(table)
+    telemetry.worker_sums([r.summary_row(INTERVAL) for r in ranks])
+    summary = telemetry.finish(wall_s=12.0, train_s=10.0)
+    expected = old_summary(tables)
+    workers = expected.pop("workers")
+    for key, value in expected.items():
+        assert summary[key] == pytest.approx(value, rel=1e-9), key
+    for got, want in zip(summary["workers"], workers, strict=True):
+        assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-9)
+    assert len(read_metrics(tmp_path, "step")) == count * N
+    assert telemetry.stats.width == 3  # rank 0 holds three numbers per step, whatever the number of ranks
+
+
+def test_a_resume_voids_the_redone_rows_of_every_rank_file(tmp_path):
+    def rows(rank: int, steps, lr: float) -> list[list[float]]:
+        return [[s, 32 + rank, 0.01, 0.0, 0.01, 1.0, 0.0, lr] for s in steps]
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    for rank in range(3):  # the first attempt: 3 ranks, steps 0-9
+        first = RankRows(rank, 50, tmp_path)
+        first.add(rows(rank, range(10), 1.0))
+        first.close()
+    void_gone(tmp_path, 2, 5)  # resumed at step 5 with 2 workers: rank 2's file ends here
+    for rank in range(2):
+        again = RankRows(rank, 50, tmp_path)
+        again.resume(5)
+        again.add(rows(rank, range(5, 12), 2.0))
+        again.close()
+    got = [(r["rank"], r["step"], r["lr"]) for r in read_metrics(tmp_path, "step")]
+    want = [(rank, s, 1.0 if s < 5 else 2.0) for rank in range(2) for s in range(12)] + [(2, s, 1.0) for s in range(5)]
+    assert sorted(got) == sorted(want)
+    assert [(r["step"], r["rank"]) for r in read_metrics(tmp_path, "step")] == sorted((s, r) for r, s, _ in want)
 
 
 def test_bsp_memory_does_not_grow_with_the_steps_beyond_chunk_aggregates(tmp_path):

@@ -187,3 +187,14 @@ def test_read_metrics_skips_a_cut_last_line_and_replays_resumes(tmp_path, capsys
     path.write_text('{"event": "step"}\n{"event": "st\n{"event": "step"}\n')
     with pytest.raises(RunDirError, match=r"metrics.jsonl: line 2 is not JSON .*repair or delete that line"):
         parse_jsonl(path)
+
+
+def test_overwrite_removes_the_old_runs_step_rows_too(tmp_path):
+    run = prepare(str(tmp_path / "run"), False, "workers = 2\n")
+    (run / "steps").mkdir()
+    (run / "steps" / "rank-1.jsonl").write_text('{"event":"step","step":0,"rank":1}\n')
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(RunDirError, match="--overwrite"):
+        prepare(str(run), False, "workers = 2\n")
+    prepare(str(run), True, "workers = 2\n")
+    assert not (run / "steps").exists() and not (run / "metrics.jsonl").exists()

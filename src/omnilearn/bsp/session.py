@@ -98,9 +98,10 @@ from omnilearn.data.stream import StreamBatches, StreamPlan
 from omnilearn.decisions import check_every, make_loop
 from omnilearn.data.windows import IndexStream, WindowPlan
 from omnilearn.distributed import group
-from omnilearn.distributed.collect import average_buffers, sum_tensor
+from omnilearn.distributed.collect import average_buffers, gather_to_main, share_path, sum_tensor
 from omnilearn.distributed.hooks import HookState
 from omnilearn.observe.modelfile import saver
+from omnilearn.observe.rankrows import RankRows
 from omnilearn.observe.recorder import Telemetry
 from omnilearn.runplan import RunPlan, plan_run
 from omnilearn.clocks.step import StepTimer
@@ -146,6 +147,8 @@ class Session(MemorySteps, IntervalEnds):
         self.should_stop = False  # a stop signal reached some rank: every rank sees it after the same step
         self.resumed_from: tuple[int, int] | None = None  # (step, the checkpoint's worker count) after a load
         self.pending_telemetry: dict | None = None  # rank 0's record counters from a checkpoint, for the Telemetry
+        self.rank_rows: RankRows | None = None  # this rank's step rows and sums, once the data source is known
+        self.rows_resumed = False
 
     device = property(lambda self: self.ctx.device)
     rank = property(lambda self: self.ctx.rank)
@@ -285,9 +288,10 @@ class Session(MemorySteps, IntervalEnds):
             raise ConfigError(api_wording(str(e))) from None
         self.loop.lag = self.run.lag
         self.sampler.use_plan(plan_type(size, self.cfg.global_batch, self.cfg.seed))
+        self.rank_rows = RankRows(self.rank, self.run.steps_per_epoch, share_path(self.ctx, self.run_dir))
         if self.is_main:
-            self.telemetry = Telemetry(self.cfg, self.run, self.run_dir)
-            self.restore_telemetry()
+            self.telemetry = Telemetry(self.cfg, self.run, self.run_dir, own_rows=True)
+        self.restore_telemetry()
 
     def _start_step(self, step: int) -> None:
         """``step``'s clock is about to start: its speed emulation, weight and micro-batches."""
@@ -380,8 +384,12 @@ class Session(MemorySteps, IntervalEnds):
             self.sync_buffers()
             # a sharded model's model.pt holds its full tensors: gathered by every rank, kept by rank 0
             full = sharded.full_state(self.model) if sharded.is_sharded(self.model) and self.cfg.out else None
-            recorded = getattr(self.telemetry, "steps_recorded", len(getattr(self.telemetry, "rows", [])))
-            if self.telemetry is None or not recorded:
+            if self.rank_rows is not None:  # every rank's sums for the summary's per-worker means
+                sums = gather_to_main(self.ctx, [self.rank_rows.summary_row(self.cfg.control_interval)], 6)
+                self.rank_rows.close()
+                if self.telemetry is not None:
+                    self.telemetry.worker_sums([rows[0] for rows in sums], self.rank_rows.add_s)
+            if self.telemetry is None or not self.telemetry.steps_recorded:
                 return None
             return self.telemetry.finish(self.clock.wall_s(), self.clock.train_s(), saver(self.module, full))
         finally:
@@ -410,7 +418,11 @@ class Session(MemorySteps, IntervalEnds):
                 self.memory.restore(cap)
 
     def restore_telemetry(self) -> None:
-        """Hand a loaded checkpoint's record counters to the Telemetry once both exist (rank 0)."""
+        """Once the record exists after a resume: this rank's rows of redone steps are void, and rank 0's Telemetry
+        gets the loaded checkpoint's record counters."""
+        if self.resumed_from is not None and self.rank_rows is not None and not self.rows_resumed:
+            self.rank_rows.resume(self.resumed_from[0])
+            self.rows_resumed = True
         if self.telemetry is not None and self.resumed_from is not None and self.pending_telemetry is not None:
             self.telemetry.resume(self.pending_telemetry, *self.resumed_from)
             self.pending_telemetry = None

@@ -7,7 +7,8 @@ attributes: ``cfg``, ``ctx``, ``loop``, ``schedule``, ``ledger``, ``micro``,
 - :class:`MemorySteps`: ``ol.run_step(fn, batch)``, ``ol.micro_batches(batch)``
   and ``ol.max_batch`` (:mod:`omnilearn.bsp.memory`, docs/memory.md);
 - :class:`IntervalEnds`: the end of a control interval (one all-gather, the
-  decision, buffers, telemetry) and the mid-interval checks for a speed shift
+  decision, this rank's rows to its file, two reductions of per-step totals
+  to rank 0, buffers, telemetry) and the mid-interval checks for a speed shift
   (:mod:`omnilearn.bsp.interval`); both carry this rank's pending reducer
   reset and, if any rank has one, make every rank reset DDP's reducer after
   the same step (:class:`~omnilearn.bsp.memory.ReducerResets`).
@@ -21,8 +22,8 @@ import sys
 
 from omnilearn.bsp import memory, sharded
 from omnilearn.bsp.interval import check_window, end_window
-from omnilearn.bsp.steps import ROW_FIELDS
-from omnilearn.distributed.collect import gather_to_main
+from omnilearn.distributed.collect import reduce_to_main
+from omnilearn.observe.rankrows import Totals, partials
 from omnilearn.stopping import stop_requested
 
 
@@ -113,14 +114,18 @@ class IntervalEnds:
             self._close_window(step, decision, self.ledger.take_rows())
 
     def _close_window(self, step: int, decision, rows: list[list[float]]) -> None:
-        """After a decision: caps seen, the window's rows to rank 0, buffers averaged, telemetry."""
+        """After a decision: caps seen, the window's rows to this rank's file, their totals to rank 0, buffers
+        averaged, telemetry."""
         self._record_caps(step)
         self._warn_pinned()
-        table = gather_to_main(self.ctx, rows, len(ROW_FIELDS))
+        self.rank_rows.add(rows)
+        reduced = reduce_to_main(self.ctx, *partials(rows)) if rows else None  # same row count on every rank
         self._average_buffers()
         if self.telemetry is not None:
+            totals = Totals.of([int(r[0]) for r in rows], *reduced, self.ctx.world_size, self.cfg.global_batch) \
+                if reduced is not None else None
             effective = decision.effective_step
-            self.telemetry.interval(table, decision, step + 1 + self.run.lag if effective is None else effective)
+            self.telemetry.window(totals, decision, step + 1 + self.run.lag if effective is None else effective)
 
     def _warn_pinned(self) -> None:
         """Rank 0, once: a worker sits at ``min_batch`` and is still the slowest (the step waits for it)."""

@@ -1,11 +1,12 @@
 """Small collectives the session needs besides DDP's gradient all-reduce.
 
 Per control interval: one :func:`all_gather_row` of a few numbers per rank
-(every rank runs the same control loop on the same table), and one
-:func:`gather_to_main` that brings the interval's per-step rows to rank 0
-only (the recorder's), so no rank receives what it does not use and the
-traffic per rank does not grow with the run. One process alone (no group)
-gets its own data back.
+(every rank runs the same control loop on the same table), and
+:func:`reduce_to_main`, two reductions that bring the window's per-step totals
+to rank 0 only (the recorder's): rank 0 receives ``O(steps)`` numbers, not
+every rank's rows. :func:`gather_to_main` brings one small table per rank to
+rank 0 (the summary's per-worker sums, once at the end). One process alone
+(no group) gets its own data back.
 
 Checkpoint bytes travel by :func:`broadcast_chunks`: host memory, pieces of
 at most :data:`CHUNK_BYTES`, over a group that carries CPU tensors
@@ -17,6 +18,7 @@ Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_hooks.py tests
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -45,6 +47,34 @@ def gather_to_main(ctx: DistContext, rows: list[list[float]], width: int) -> lis
     parts = [torch.empty_like(local) for _ in range(ctx.world_size)] if ctx.is_main else None
     dist.gather(local, parts, dst=0)
     return [p.cpu().tolist() for p in parts] if parts is not None else None
+
+
+def reduce_to_main(ctx: DistContext, summed: Sequence[float], maxed: Sequence[float]
+                   ) -> tuple[list[float], list[float]] | None:
+    """Rank 0 gets ``summed`` added up over the ranks and ``maxed`` maximised element-wise; other ranks get None."""
+    if not ctx.grouped:
+        return [float(v) for v in summed], [float(v) for v in maxed]
+    out = []
+    for values, op in ((summed, dist.ReduceOp.SUM), (maxed, dist.ReduceOp.MAX)):
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ctx.device)
+        dist.reduce(t, dst=0, op=op)
+        out.append(t.cpu().tolist())
+    return (out[0], out[1]) if ctx.is_main else None
+
+
+def share_path(ctx: DistContext, path: Path | None) -> Path | None:
+    """Rank 0's ``path`` (or None) on every rank: one broadcast of its bytes (a length, then the bytes)."""
+    if not ctx.grouped:
+        return path
+    data = str(path).encode("utf-8") if ctx.is_main and path is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=ctx.device)
+    dist.broadcast(size, src=0)
+    if not int(size.item()):
+        return None
+    buf = torch.tensor(list(data), dtype=torch.uint8, device=ctx.device) if ctx.is_main \
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=ctx.device)
+    dist.broadcast(buf, src=0)
+    return Path(bytes(buf.cpu().tolist()).decode("utf-8"))
 
 
 def sum_across(ctx: DistContext, values: list[float], group=None) -> list[float]:

@@ -5,7 +5,9 @@ left out with one warning when it is the last line or a ``resume`` event
 follows it; a bad line elsewhere is an error naming the file and the line.
 :func:`replay` applies the one rule every reader uses for resumed runs: a
 ``resume`` event at step k (BSP) or version v (ASP) voids the earlier records
-of what the resumed run redid. :func:`read_metrics` is both, for one event.
+of what the resumed run redid. :func:`read_metrics` is both, for one event,
+with BSP's ``step`` events from each rank's ``steps/rank-<r>.jsonl``
+(:func:`read_rank_rows`, the same rule file by file).
 Writing is :mod:`omnilearn.observe.rundir`'s.
 
 Run its tests: ``python -m pytest -q tests/unit/test_rundir.py tests/unit/test_report.py``
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from omnilearn.observe.rundir import RunDirError
+from omnilearn.observe.rundir import STEPS_DIR, RunDirError
 
 _warned: set[tuple[str, int]] = set()  # (file, line) already warned about
 
@@ -134,7 +136,21 @@ def replay(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def read_rank_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's ``step`` events from ``RUN_DIR/steps/rank-<r>.jsonl`` as the run stands (each file replayed:
+    its ``resume`` events void what was redone), ordered by step, then rank; none for a run without that folder."""
+    folder = Path(run_dir) / STEPS_DIR
+    if not folder.is_dir():
+        return []
+    rows = [r for path in sorted(folder.glob("rank-*.jsonl")) for r in replay(parse_jsonl(path))
+            if r.get("event") == "step"]
+    return sorted(rows, key=lambda r: (r.get("step", 0), r.get("rank", 0)))
+
+
 def read_metrics(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """``RUN_DIR/metrics.jsonl`` as the run stands (:func:`parse_jsonl`, then :func:`replay`), of one ``event``."""
+    """``RUN_DIR/metrics.jsonl`` as the run stands (:func:`parse_jsonl`, then :func:`replay`), of one ``event``;
+    BSP's ``step`` events of every rank's file (:func:`read_rank_rows`) come after its own records."""
     records = replay(parse_jsonl(Path(run_dir) / "metrics.jsonl"))
+    if event in (None, "step"):
+        records += read_rank_rows(run_dir)
     return [r for r in records if event is None or r.get("event") == event]

@@ -1,12 +1,17 @@
-"""BSP's record of a run (rank 0): step rows streamed to ``metrics.jsonl``, bounded aggregates for the summary.
+"""BSP's record of a run (rank 0): per-step totals, bounded aggregates for the summary.
 
-:class:`Telemetry` gets every worker's rows once per control interval
-(``interval``), writes them as ``step`` events through the one
-:class:`~omnilearn.observe.events.EventRecorder`, and keeps no row: per step
-it adds one record (ideal and measured step time, each worker's batch,
-compute and wait) to a :class:`~omnilearn.observe.suffix.SuffixStats`, so the
-summary's "last half" statistics are exact while memory stays
-``O(steps / chunk)`` small vectors. The formulas are those of
+Rank 0's work per step does not grow with the number of workers. Each rank
+writes its own step rows to ``RUN_DIR/steps/rank-<r>.jsonl`` and keeps its own
+sums (:class:`~omnilearn.observe.rankrows.RankRows`); once per control
+interval rank 0 gets the window's per-step totals by two reductions
+(:class:`~omnilearn.observe.rankrows.Totals`) and :class:`Telemetry` adds one
+record per step (step, ideal and measured step time) to a
+:class:`~omnilearn.observe.suffix.SuffixStats`, so the summary's "last half"
+statistics are exact while memory stays ``O(steps / chunk)`` small vectors.
+The per-worker means come from one gather of every rank's sums at the end.
+A process that holds every rank's rows at once (TensorFlow's worker 0, the
+tests) passes them to :meth:`Telemetry.interval`, which writes every rank's
+file and computes the same totals. The formulas are those of
 :mod:`omnilearn.balance.efficiency` (``T* = B / sum v_i + min wait``, balance
 efficiency ``mean T* / mean T`` over the last half).
 
@@ -21,31 +26,36 @@ from pathlib import Path
 from statistics import fmean
 from typing import Callable
 
-from omnilearn.balance.efficiency import StepRow, WorkerStats, by_step, ideal_step_s, measured_step_s
+from omnilearn.balance.efficiency import WorkerStats
 from omnilearn.config import BalanceConfig
 from omnilearn.observe.events import EventRecorder
+from omnilearn.observe.rankrows import ROW_NAMES, RankRows, Totals, void_gone
 from omnilearn.observe.suffix import SuffixStats
 from omnilearn.runplan import RunPlan
 
 FAILED_AT_ENV = "OMNILEARN_FAILED_AT"  # set by the launcher's restart loop: when the failed attempt ended
 # The columns of one step row, in order: the one definition (bsp/steps.py writes rows, tf/session.py too).
-ROW_FIELDS = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "lr")
+ROW_FIELDS = ROW_NAMES
 
 
 class Telemetry:
-    def __init__(self, cfg: BalanceConfig, run: RunPlan, run_dir: Path | None) -> None:
-        self.cfg, self.run, self.run_dir = cfg, run, run_dir
+    """Rank 0's record. ``own_rows``: every rank writes its own rows (BSP's session); otherwise the rows of every
+    rank reach :meth:`interval` at once and this object writes their files (TensorFlow's worker 0, the tests)."""
+
+    def __init__(self, cfg: BalanceConfig, run: RunPlan, run_dir: Path | None, own_rows: bool = False) -> None:
+        self.cfg, self.run, self.run_dir, self.own_rows = cfg, run, run_dir, own_rows
         self.events = EventRecorder(run_dir, quiet=cfg.quiet)
         self.console = self.events.console
-        n = cfg.workers
-        # Per step: step, ideal_s, measured_s, then per worker batch, compute_s, wait_s (in rank order).
-        self.stats = SuffixStats(("max", "sum", "sum") + ("sum",) * (3 * n))
+        self.stats = SuffixStats(("max", "sum", "sum"))  # per step: step, ideal_s, measured_s
+        self.ranks: list[RankRows] = []  # own_rows=False: every rank's rows, kept here
+        self.gathered: list[list[float]] | None = None  # own_rows=True: every rank's summary_row, at the end
         self.steps_recorded = 0
         self.steps_before = 0  # steps of earlier attempts (resumed from a checkpoint); not in the statistics
         self.resumed_at: int | None = None
         self.checkpoint_costs: list[float] = []  # seconds per save in this attempt (a few per run)
         self.checkpoint_bytes: int | None = None
         self.final_train_loss: float | None = None
+        self.record_s = 0.0  # rank 0's time in window(), plus (own_rows) its own rows' writing: finish()
 
     def state_dict(self) -> dict:
         """What a resumed run's record carries over: counts and the last values, not the step statistics."""
@@ -66,6 +76,7 @@ class Telemetry:
         self.events.speed_changes = [(int(at), tuple(v)) for at, v in state.get("speed_changes", [])]
         self.events.last_eval = dict(state.get("last_eval", {}))
         self.final_train_loss = state.get("final_train_loss")
+        void_gone(self.run_dir, self.cfg.workers if self.own_rows else 0, step)
         now = time.time()
         failed_at = os.environ.get(FAILED_AT_ENV)
         self.events.write("resume", step=step, workers=self.cfg.workers, from_workers=from_workers, at=now,
@@ -93,59 +104,66 @@ class Telemetry:
             self.console.speeds(step, speeds)
 
     def interval(self, table: list[list[list[float]]], decision, effective: int) -> None:
-        """One control interval: ``table[rank]`` holds that rank's rows ``[step, batch, compute_s, ...]``."""
-        steps, loss = self._record_rows(table)
+        """One window from every rank's rows at once: ``table[rank]`` holds that rank's ``[step, batch, ...]``."""
+        if not self.ranks:
+            self.ranks = [RankRows(rank, self.run.steps_per_epoch, self.run_dir) for rank in range(len(table))]
+        start = time.perf_counter()
+        for ranks, rows in zip(self.ranks, table):
+            ranks.add(rows)
+        self.record_s += time.perf_counter() - start
+        self.window(Totals.of_table(table, self.cfg.global_batch), decision, effective)
+
+    def window(self, totals: Totals | None, decision, effective: int) -> None:
+        """One control window: its per-step totals (None: no step), the decision at its end."""
+        start = time.perf_counter()
+        if totals is not None and totals.steps:
+            self._record(totals)
         eff = getattr(decision, "effective_step", None)
         eff = effective if eff is None else eff
         total = self.run.total_steps
         applied = decision.changed and (total is None or eff < total)
         self.events.decision(decision, eff, applied)
-        if steps:
-            self._progress(decision, steps, loss)
+        if totals is not None and totals.steps:
+            self.console.progress(
+                totals.steps[-1] + 1, self.run.total_steps or "?", totals.steps[-1] // self.run.steps_per_epoch,
+                fmean(totals.loss), decision.old, fmean(totals.measured_s), fmean(totals.ideal_s), totals.max_wait_s)
         if applied:
             self.console.rebalance(decision.step, eff, decision.old, decision.new, decision.times_s)
         self.events.flush()
+        self.record_s += time.perf_counter() - start
 
-    def _record_rows(self, table: list[list[list[float]]]) -> tuple[dict[int, list[StepRow]], float]:
-        """Write the step events, add one summary record per step; the interval's rows by step, its mean loss."""
-        spe, new_rows, loss = self.run.steps_per_epoch, [], {}
-        for rank, rows in enumerate(table):
-            for step, batch, compute_s, wait_s, step_s, row_loss, delay_s, lr in rows:
-                step, batch = int(step), int(batch)
-                self.events.write("step", step=step, epoch=step // spe, rank=rank, batch=batch, compute_s=compute_s,
-                                  wait_s=wait_s, step_s=step_s, loss=row_loss, lr=lr, delay_s=delay_s)
-                new_rows.append(StepRow(step, rank, batch, compute_s, wait_s, step_s))
-                loss[step] = loss.get(step, 0.0) + row_loss * batch / self.cfg.global_batch
-        steps = by_step(new_rows)
-        for step in sorted(steps):
-            rows = sorted(steps[step], key=lambda r: r.rank)
-            self.stats.add([step, ideal_step_s(rows), measured_step_s(rows), *(r.batch for r in rows),
-                            *(r.compute_s for r in rows), *(r.wait_s for r in rows)])
-            self.final_train_loss = loss[step]
-            self.steps_recorded += 1
-        return steps, fmean(loss.values()) if loss else float("nan")
+    def _record(self, totals: Totals) -> None:
+        """One summary record per step: O(1) per step whatever the number of workers."""
+        for step, ideal, measured in zip(totals.steps, totals.ideal_s, totals.measured_s):
+            self.stats.add((step, ideal, measured))
+        self.final_train_loss = totals.loss[-1]
+        self.steps_recorded += len(totals.steps)
 
-    def _progress(self, decision, steps: dict[int, list[StepRow]], loss: float) -> None:
-        last = max(steps)
-        self.console.progress(
-            last + 1, self.run.total_steps or "?", last // self.run.steps_per_epoch, loss, decision.old,
-            fmean(measured_step_s(v) for v in steps.values()),
-            fmean(ideal_step_s(v) for v in steps.values()),
-            max(fmean(r.wait_s for r in v) for v in zip(*steps.values())),
-        )
+    def worker_sums(self, rows: list[list[float]], own_add_s: float = 0.0) -> None:
+        """``own_rows``: every rank's :meth:`~omnilearn.observe.rankrows.RankRows.summary_row`, in rank order, and
+        the time rank 0 spent writing its own rows (part of its record's cost)."""
+        self.gathered = [list(r) for r in rows]
+        self.record_s += own_add_s
 
     def evaluation(self, epoch: int | None, step: int, wall_s: float, loss: float, accuracy: float) -> None:
         self.events.evaluation(epoch=epoch, step=step, wall_s=wall_s, test_loss=loss, test_accuracy=accuracy)
 
     def worker_stats(self, first_index: int) -> list[WorkerStats]:
-        """Per-worker means over the recorded steps from the ``first_index``-th on (what ``worker_stats`` gives)."""
-        n, sums = self.cfg.workers, self.stats.since(first_index)
-        count = self.stats.count - max(0, first_index)
-        out = []
-        for rank in range(n):
-            batch, compute, wait = (sums[3 + k * n + rank] / count for k in range(3))
-            out.append(WorkerStats(rank, batch, compute, wait, batch / compute))
-        return out
+        """Per-worker means over the recorded steps from the ``first_index``-th on: ``steps // 2`` (the last half)
+        or ``steps - control_interval`` (the last interval), the two a summary row holds."""
+        if self.ranks:
+            sums = [r.sums(first_index) for r in self.ranks]
+        elif self.gathered is None:
+            raise RuntimeError("the per-worker sums are not here: worker_sums() was not called")
+        elif first_index == self.steps_recorded // 2:
+            sums = [r[:3] for r in self.gathered]
+        elif first_index == self.steps_recorded - self.cfg.control_interval:
+            sums = [r[3:] for r in self.gathered]
+        else:
+            raise ValueError(f"first_index {first_index}: the gathered sums start at the last half or interval")
+        count = self.steps_recorded - max(0, first_index)
+        return [WorkerStats(rank, batch / count, compute / count, wait / count, batch / compute)
+                for rank, (batch, compute, wait) in enumerate(sums)]
 
     def finish(self, wall_s: float, train_s: float, save: Callable[[Path], None] | None = None) -> dict:
         """``train_s``: the wall time of the training loop without evaluation; ``save(run_dir)`` writes the model
@@ -155,6 +173,8 @@ class Telemetry:
         first = summary["stats_from_step"]
         self.console.table(self.worker_stats(self.steps_recorded // 2), summary["declared_speeds"], first)
         self.stats.close()
+        for ranks in self.ranks:
+            ranks.close()
         label = f"[{self.cfg.speed_schedule or self.cfg.speeds} {self.cfg.controller}] " if self.cfg.quiet else ""
         accuracy = summary["test_accuracy"]
         self.console.info(
@@ -199,5 +219,7 @@ class Telemetry:
                  "mean_compute_s": s.mean_compute_s, "mean_wait_s": s.mean_wait_s, "speed": s.speed}
                 for s in stats
             ],
+            # rank 0's bookkeeping per step (recording, progress line, decision event; not the collectives)
+            "rank0_record_ms_per_step": 1e3 * self.record_s / steps,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

@@ -1,11 +1,13 @@
 """Run directory: ``config.toml``, ``metrics.jsonl``, ``summary.json``, ``model.pt``.
 
 ``metrics.jsonl`` holds one JSON object per line with an ``event`` field:
-``step`` (BSP: one per step per worker), ``push`` (ASP: one per applied
-gradient), ``decision`` (one per controller decision), ``speeds`` (an
-emulated speed change), ``eval`` (test metrics) and ``resume`` (a run continued
-from a checkpoint). Only rank 0 writes, through
-:class:`omnilearn.observe.events.EventRecorder`. ``summary.json`` and
+``push`` (ASP: one per applied gradient), ``decision`` (one per controller
+decision), ``speeds`` (an emulated speed change), ``eval`` (test metrics) and
+``resume`` (a run continued from a checkpoint). Only rank 0 writes it, through
+:class:`omnilearn.observe.events.EventRecorder`. BSP's ``step`` events (one per
+step per worker) are in ``steps/rank-<r>.jsonl``, each written by its rank
+(:mod:`omnilearn.observe.rankrows`); runs of earlier versions have them in
+``metrics.jsonl``, and readers take both. ``summary.json`` and
 ``model.pt`` are written atomically (temp file, fsync, rename): a crash leaves
 the old file or the new one, never half of one.
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "model.pt")
+STEPS_DIR = "steps"  # BSP: each rank's step rows, steps/rank-<r>.jsonl (omnilearn.observe.rankrows)
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 FLUSH_BYTES = 1 << 20  # metrics lines held before they are written even without a flush()
 TAIL_BYTES = 1 << 20  # how far back from its end metrics.jsonl is searched for a cut last line
@@ -155,14 +158,21 @@ def check_out(out: str | None, overwrite: bool) -> Path:
     return path
 
 
+def clear_run(path: Path) -> None:
+    """Remove the run ``path`` holds (``--overwrite``): its files, error logs and the ranks' step rows."""
+    for f in [*(f for f in RUN_FILES if (path / f).exists()), *(p.name for p in path.glob("error-rank*.log"))]:
+        (path / f).unlink()
+    if (path / STEPS_DIR).is_dir():
+        shutil.rmtree(path / STEPS_DIR)
+
+
 def prepare(out: str | None, overwrite: bool, config_toml: str) -> Path:
     """Check and create the run directory, then write ``config.toml`` into it (:class:`DiskFull` when full)."""
     path = check_out(out, overwrite)
     data = config_toml.encode("utf-8")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        for f in [*(f for f in RUN_FILES if (path / f).exists()), *(p.name for p in path.glob("error-rank*.log"))]:
-            (path / f).unlink()
+        clear_run(path)
         write_atomic(path / "config.toml", lambda f: f.write(data))
     except OSError as e:
         full = full_disk_error(e)
@@ -185,7 +195,7 @@ def _cut_tail(path: Path) -> tuple[int, bytes] | None:
 
 
 class MetricsLog:
-    """Appends JSON lines to ``metrics.jsonl`` (rank 0 only): whole lines, or none.
+    """Appends JSON lines to ``metrics.jsonl`` (rank 0), or to a rank's ``steps/rank-<r>.jsonl``: whole lines, or none.
 
     Lines are held until :meth:`flush` (or ``FLUSH_BYTES`` of them) and then
     written in one go; a write that fails is cut back to the file's last whole
@@ -194,8 +204,8 @@ class MetricsLog:
     line removed, with a warning, before anything is appended.
     """
 
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(self, run_dir: Path, name: str = "metrics.jsonl") -> None:
+        self.path = Path(run_dir) / name
         self.lines: list[str] = []
         self.held = 0
         self.fd: int | None = None

@@ -38,7 +38,7 @@ from omnilearn.config import MAX_TIMEOUT_S, BalanceConfig
 from omnilearn.emulation.speeds import BSP_LEVELS, SpeedError, parse_speeds, speed_count
 from omnilearn.experiments.config import ConfigError
 from omnilearn.keywords import LAUNCH_ENV
-from omnilearn.observe.rundir import RUN_FILES, check_out
+from omnilearn.observe.rundir import check_out, clear_run
 
 
 def add_parser(sub) -> None:
@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
         out = check_out(args.out, args.overwrite)
         out.mkdir(parents=True, exist_ok=True)
         if args.overwrite:  # the script's setup() then finds no run here
-            for name in RUN_FILES:
-                (out / name).unlink(missing_ok=True)
+            clear_run(out)
     given = {"out": str(out), **({"timeout_s": args.timeout_s} if args.timeout_s else {}),
              **({"speeds": args.speeds} if args.speeds else {}),
              **({"checkpoint_every": args.checkpoint_every, "keep_checkpoints": args.keep_checkpoints}

@@ -25,7 +25,7 @@ from statistics import median
 from typing import Any, Sequence
 
 from omnilearn.balance.efficiency import StepRow, ideal_step_s
-from omnilearn.observe.metrics import parse_jsonl, replay  # replay: re-exported, every reader's rule
+from omnilearn.observe.metrics import parse_jsonl, read_rank_rows, replay  # replay: re-exported, every reader's rule
 from omnilearn.observe.rundir import RunDirError
 
 NAN = float("nan")
@@ -100,8 +100,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     records the resumed run did not redo are kept (:func:`replay`, the one rule the library's
     ``read_metrics`` follows too), so each step is read once.
     """
-    try:
-        return replay(parse_jsonl(path))
+    try:  # BSP's step rows are in each rank's file beside it
+        return replay(parse_jsonl(path)) + read_rank_rows(Path(path).parent)
     except RunDirError as e:
         raise ReportError(str(e)) from None
 

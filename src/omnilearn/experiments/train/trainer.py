@@ -82,8 +82,8 @@ class BSPTrainer:
                 warn(f"--resume: no checkpoint in {self.checkpoints} yet (the run stopped before its first); "
                      "starting over from step 0")
             self.session.resumed_from = (0, cfg.workers)  # nothing saved yet: start over, voiding earlier records
-            if self.session.telemetry is not None:
-                self.session.telemetry.resume({}, 0, cfg.workers)
+            self.session.pending_telemetry = {}
+            self.session.restore_telemetry()
         every = cfg.checkpoint_every
         self.next_checkpoint = (self.session.next_step // every + 1) * every if every else None
         self.kill_at = faultinject.kill_step(ctx.rank) if not cfg.resume else None

@@ -1,0 +1,150 @@
+"""Each rank's own part of BSP's record: its step rows in its own file, its sums; rank 0 gets totals only.
+
+Rank 0's bookkeeping per step does not grow with the number of workers:
+
+- every rank writes its own step rows (:data:`~omnilearn.observe.recorder.ROW_FIELDS`,
+  plus ``epoch`` and ``rank``) as ``step`` events to ``RUN_DIR/steps/rank-<r>.jsonl``
+  (:class:`RankRows`), once per control interval;
+- every rank keeps its own per-step sums (batch, compute, wait) for the
+  summary's per-worker means, gathered to rank 0 once, at the end;
+- rank 0 gets each interval's per-step totals by two reductions
+  (:func:`partials`: a sum and a maximum of ``4k + 1`` and ``k + 1`` numbers for
+  ``k`` steps), never the ranks' rows.
+
+A resume writes a ``resume`` event into each rank's file (and rank 0 into
+the files of ranks a smaller restart no longer has: :func:`void_gone`), so
+:func:`omnilearn.observe.metrics.read_rank_rows` applies the same rule as ``metrics.jsonl``'s readers
+(:func:`omnilearn.observe.metrics.replay`) file by file. On several nodes
+without a shared file system each node holds its own ranks' files.
+
+Run its tests: ``python -m pytest -q tests/unit/test_recorder.py tests/unit/test_rundir.py``
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from omnilearn.observe.rundir import STEPS_DIR, MetricsLog
+from omnilearn.observe.suffix import SuffixStats
+
+ROW_NAMES = ("step", "batch", "compute_s", "wait_s", "step_s", "loss", "delay_s", "lr")  # = recorder.ROW_FIELDS
+SUMMED = 4  # per step, summed over ranks: batch, speed (batch / compute_s), step_s, batch * loss
+_RANK_FILE = re.compile(r"rank-(\d+)\.jsonl$")
+
+
+def rank_file(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / STEPS_DIR / f"rank-{rank}.jsonl"
+
+
+class RankRows:
+    """One rank's step rows and per-step sums; the rows go to :func:`rank_file` when there is a run directory."""
+
+    def __init__(self, rank: int, steps_per_epoch: int, run_dir: Path | None) -> None:
+        self.rank, self.steps_per_epoch, self.run_dir = rank, steps_per_epoch, run_dir
+        self.log: MetricsLog | None = None
+        self.stats = SuffixStats(("sum",) * 3)  # per step: batch, compute_s, wait_s
+        self.add_s = 0.0  # time spent in add(): this rank's share of the record's cost
+
+    def _file(self) -> MetricsLog | None:
+        if self.log is None and self.run_dir is not None:  # opened at the first write: rank 0 has made the dir
+            (Path(self.run_dir) / STEPS_DIR).mkdir(parents=True, exist_ok=True)
+            self.log = MetricsLog(self.run_dir, f"{STEPS_DIR}/rank-{self.rank}.jsonl")
+        return self.log
+
+    def add(self, rows: Sequence[Sequence[float]]) -> None:
+        """This rank's rows of one window: written (one flush) and added to the sums."""
+        start = time.perf_counter()
+        log = self._file()
+        for row in rows:
+            step, batch, compute_s, wait_s = int(row[0]), int(row[1]), float(row[2]), float(row[3])
+            if log is not None:
+                rec = dict(zip(ROW_NAMES, (step, batch, compute_s, wait_s, *(float(v) for v in row[4:]))))
+                log.write({"event": "step", "epoch": step // self.steps_per_epoch, "rank": self.rank, **rec})
+            self.stats.add((batch, compute_s, wait_s))
+        if log is not None:
+            log.flush()
+        self.add_s += time.perf_counter() - start
+
+    def resume(self, step: int) -> None:
+        """A resumed run redoes steps ``step``.. : the rows an earlier attempt wrote for them are void."""
+        log = self._file()
+        if log is not None:
+            log.write({"event": "resume", "step": step})
+            log.flush()
+
+    def sums(self, first: int) -> list[float]:
+        """Batch, compute and wait summed over this rank's recorded steps from the ``first``-th on."""
+        return self.stats.since(first)
+
+    def summary_row(self, control_interval: int) -> list[float]:
+        """What the summary needs of this rank: its :meth:`sums` over the last half and the last interval."""
+        count = self.stats.count
+        return [*self.sums(count // 2), *self.sums(count - control_interval)]
+
+    def close(self) -> None:
+        self.stats.close()
+        if self.log is not None:
+            self.log.close()
+
+
+def void_gone(run_dir: Path | None, workers: int, step: int) -> None:
+    """Rank 0 at a resume with ``workers``: the files of ranks ``workers``.. get a ``resume`` event too."""
+    if run_dir is None or not (Path(run_dir) / STEPS_DIR).is_dir():
+        return
+    for path in (Path(run_dir) / STEPS_DIR).iterdir():
+        m = _RANK_FILE.match(path.name)
+        if m and int(m.group(1)) >= workers:
+            log = MetricsLog(run_dir, f"{STEPS_DIR}/{path.name}")
+            log.write({"event": "resume", "step": step})
+            log.close()
+
+
+# ------------------------------------------------------------ per-step totals
+def partials(rows: Sequence[Sequence[float]]) -> tuple[list[float], list[float]]:
+    """One rank's contribution to a window's totals: (summed over ranks, maximised over ranks).
+
+    For ``k`` rows: ``4k`` sums (batch, speed, step_s and batch * loss per
+    step) and ``k + 1`` maxima (``-wait_s`` per step, whose maximum is minus
+    the smallest wait; then the rank's mean wait over the window).
+    """
+    a = np.asarray(rows, dtype=np.float64).reshape(-1, len(ROW_NAMES))
+    batch, compute, wait, step_s, loss = a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5]
+    speed = np.divide(batch, compute, out=np.zeros_like(batch), where=compute > 0)
+    summed = np.stack((batch, speed, step_s, batch * loss), axis=1).reshape(-1)
+    maxed = np.concatenate((-wait, [wait.mean() if len(wait) else 0.0]))
+    return summed.tolist(), maxed.tolist()
+
+
+@dataclass
+class Totals:
+    """A window's per-step totals over all ranks (what rank 0 records), from the reduced :func:`partials`."""
+
+    steps: list[int]
+    ideal_s: list[float]  # T* = B / sum v_i + min wait
+    measured_s: list[float]  # the ranks' mean step_s
+    loss: list[float]  # sum batch * loss / global batch
+    max_wait_s: float  # the largest of the ranks' mean waits over the window
+
+    @classmethod
+    def of(cls, steps: Sequence[int], summed: Sequence[float], maxed: Sequence[float], workers: int,
+           global_batch: int) -> Totals:
+        s = np.asarray(summed, dtype=np.float64).reshape(-1, SUMMED)
+        m = np.asarray(maxed, dtype=np.float64)
+        batch, speed, step_s, weighted = s[:, 0], s[:, 1], s[:, 2], s[:, 3]
+        ideal = batch / speed - m[:-1]
+        return cls([int(v) for v in steps], ideal.tolist(), (step_s / workers).tolist(),
+                   (weighted / global_batch).tolist(), float(m[-1]) if len(m) > len(steps) else 0.0)
+
+    @classmethod
+    def of_table(cls, table: Sequence[Sequence[Sequence[float]]], global_batch: int) -> Totals:
+        """The same totals from every rank's rows at once (one process holds them all: TensorFlow, tests)."""
+        parts = [partials(rows) for rows in table]
+        summed = np.sum([p[0] for p in parts], axis=0)
+        maxed = np.max([p[1] for p in parts], axis=0)
+        return cls.of([int(r[0]) for r in table[0]], summed, maxed, len(table), global_batch)
