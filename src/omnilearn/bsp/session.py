@@ -385,10 +385,11 @@ class Session(MemorySteps, IntervalEnds):
             # a sharded model's model.pt holds its full tensors: gathered by every rank, kept by rank 0
             full = sharded.full_state(self.model) if sharded.is_sharded(self.model) and self.cfg.out else None
             if self.rank_rows is not None:  # every rank's sums for the summary's per-worker means
-                sums = gather_to_main(self.ctx, [self.rank_rows.summary_row(self.cfg.control_interval)], 6)
-                self.rank_rows.close()
+                own, self.rank_rows = self.rank_rows, None
+                sums = gather_to_main(self.ctx, [own.summary_row(self.cfg.control_interval)], 6)
+                own.close()
                 if self.telemetry is not None:
-                    self.telemetry.worker_sums([rows[0] for rows in sums], self.rank_rows.add_s)
+                    self.telemetry.worker_sums([rows[0] for rows in sums], own.add_s)
             if self.telemetry is None or not self.telemetry.steps_recorded:
                 return None
             return self.telemetry.finish(self.clock.wall_s(), self.clock.train_s(), saver(self.module, full))
