@@ -17,10 +17,11 @@ def _lines(path: Path) -> list[dict]:
 
 
 def raw_events(run: Path, kind: str | None = None) -> list[dict]:
-    """``kind`` events as written: ``metrics.jsonl`` in order, then every rank's file (rank by rank, in order)."""
+    """``kind`` events as written: ``metrics.jsonl`` in order, then every rank's ``step`` events (rank by rank, in
+    order; the ``resume`` events of those files mark what was voided and are not repeated here)."""
     records = _lines(Path(run) / "metrics.jsonl") if (Path(run) / "metrics.jsonl").exists() else []
     for path in rank_files(run):
-        records += _lines(path)
+        records += [r for r in _lines(path) if r.get("event") == "step"]
     return [r for r in records if kind is None or r.get("event") == kind]
 
 

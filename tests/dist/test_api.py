@@ -14,6 +14,7 @@ Run: ``python -m pytest -q tests/dist/test_api.py`` (about two minutes on 2 core
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -210,12 +211,12 @@ class BNNet(nn.Module):
 
 
 class CountingCollectives:
-    """Records the size of every all_gather and gather of this process (what a rank sends and receives)."""
+    """Records the size of every all_gather, gather and reduce of this process (what a rank sends and receives)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, bool]] = []
-        self.all_gather, self.gather = dist.all_gather, dist.gather
-        dist.all_gather, dist.gather = self._all_gather, self._gather
+        self.all_gather, self.gather, self.reduce = dist.all_gather, dist.gather, dist.reduce
+        dist.all_gather, dist.gather, dist.reduce = self._all_gather, self._gather, self._reduce
 
     def _all_gather(self, parts, tensor, *a, **kw):
         self.calls.append(("all_gather", sum(p.numel() for p in parts), True))
@@ -224,6 +225,10 @@ class CountingCollectives:
     def _gather(self, tensor, parts=None, *a, **kw):
         self.calls.append(("gather", tensor.numel(), parts is not None))
         return self.gather(tensor, parts, *a, **kw)
+
+    def _reduce(self, tensor, *a, **kw):
+        self.calls.append(("reduce", tensor.numel(), dist.get_rank() == kw.get("dst", 0)))
+        return self.reduce(tensor, *a, **kw)
 
 
 def _two_rank_worker(rank: int, store: str, out: str) -> None:
@@ -311,12 +316,19 @@ def test_existing_group_batches_buffers_seeds_settings_and_traffic(tmp_path):
         for name in a[key]:
             torch.testing.assert_close(a[key][name], b[key][name], msg=f"{key} {name} differ between ranks")
     # Per control interval of 4 steps: one all_gather of 2 x 12 numbers (not 2 x 4 x 8), plus one of 2 x 2 when
-    # the data starts (size and prefetch); the 4 x 8 step rows go to rank 0 only. 30 steps: 7 intervals and the
-    # 2 steps left, flushed by finish().
+    # the data starts (size and prefetch). The 4 x 8 step rows stay on their rank (its own file); rank 0 gets each
+    # step's totals by two reductions (4 x 4 sums, 4 + 1 maxima). 30 steps: 7 intervals and the 2 steps left,
+    # flushed by finish(), which gathers 6 numbers per rank (the per-worker sums) to rank 0 once.
     for calls, main in ((a["calls"], True), (b["calls"], False)):
         assert {n for op, n, _ in calls if op == "all_gather"} == {2 * 12, 2 * 2}
-        gathers = [(n, receives) for op, n, receives in calls if op == "gather"]
-        assert gathers == [(4 * 8, main)] * 7 + [(2 * 8, main)]
+        reduces = [(n, receives) for op, n, receives in calls if op == "reduce"]
+        assert reduces == [(4 * 4, main), (4 + 1, main)] * 7 + [(2 * 4, main), (2 + 1, main)]
+        assert [(n, receives) for op, n, receives in calls if op == "gather"] == [(6, main)]
+    for rank in (0, 1):  # each rank's rows in its own file, under rank 0's run directory (its path was shared)
+        rows = [json.loads(line) for line in (tmp_path / "mount0" / "run" / "steps" / f"rank-{rank}.jsonl")
+                .read_text().splitlines()]
+        assert len(rows) == 30 and {r["rank"] for r in rows} == {rank}
+    assert not (tmp_path / "mount1" / "run").exists()
 
 
 def _timeout_worker(rank: int, store: str, out: str) -> None:

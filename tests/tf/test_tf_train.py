@@ -41,6 +41,7 @@ h5py = pytest.importorskip("h5py")
 
 from omnilearn.decisions import SCRIPTED_ENV  # noqa: E402
 from omnilearn.experiments.cli import main  # noqa: E402
+from omnilearn.observe.metrics import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.dist
 STEPS = ("--global-batch", "256", "--max-steps", "36", "--control-interval", "6", "--seed", "3", "--no-plots")
@@ -148,8 +149,9 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint_and_the_run_ends_with_
         in err, err[-3000:]
     assert [e["step"] for e in events(out, "resume")] == [12] and summary["steps"] == 36
     assert (out / "failures" / "attempt-1" / "tf-worker1.log").exists()
-    splits = lambda name: [(e["step"], e["rank"], e["batch"]) for e in events(runs / name, "step") if e["step"] >= 12]
-    assert splits("restarted")[-3 * 24:] == splits("tf3")  # the same split after the resume: a fixed path
+    splits = lambda name: [(e["step"], e["rank"], e["batch"]) for e in read_metrics(runs / name, "step")
+                           if e["step"] >= 12]  # as the run stands: the redone steps once
+    assert splits("restarted") == splits("tf3")  # the same split after the resume: a fixed path
     assert_same_weights(out, runs / "tf3")
 
 
