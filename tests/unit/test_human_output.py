@@ -20,7 +20,7 @@ from omnilearn.experiments.args import config_from_args
 from omnilearn.experiments.train import workload
 from omnilearn.experiments.report import plots
 from omnilearn.experiments.report.records import load_run
-from omnilearn.observe.console import startup, took, warn
+from omnilearn.observe.console import _batches, startup, took, warn
 from omnilearn.runplan import SpeedScheduleWarning, plan_run
 
 
@@ -139,6 +139,8 @@ def test_console_helpers():
     warn("two\n  lines", err)
     assert err.getvalue() == "omnilearn: warning: two lines\n"
     assert [took(s) for s in (0.031, 2.34, 41.2)] == ["0.03 s", "2.3 s", "41 s"]
+    assert _batches([171, 85]) == "171/85"
+    assert _batches([64 + r % 5 for r in range(4096)]) == "64..66..68 (min..median..max of 4096)"  # not 4,096 numbers
 
 
 # ------------------------------------------------------------------ the API warns with warnings.warn

@@ -22,8 +22,14 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
+BATCHES_SHOWN = 16  # more workers than this: the progress line gives the spread of their batches, not each
+
+
 def _batches(batches: Sequence[int]) -> str:
-    return "/".join(str(b) for b in batches)
+    if len(batches) <= BATCHES_SHOWN:
+        return "/".join(str(b) for b in batches)
+    ordered = sorted(batches)
+    return f"{ordered[0]}..{ordered[len(ordered) // 2]}..{ordered[-1]} (min..median..max of {len(ordered)})"
 
 
 def took(seconds: float) -> str:
@@ -87,7 +93,11 @@ class Console:
 
     def rebalance(self, step: int, effective: int, old: Sequence[int], new: Sequence[int],
                   times_s: Sequence[float]) -> None:
-        times = "/".join(_ms(t) for t in times_s)
+        if len(times_s) <= BATCHES_SHOWN:
+            times = "/".join(_ms(t) for t in times_s)
+        else:
+            ordered = sorted(times_s)
+            times = f"{_ms(ordered[0])}..{_ms(ordered[len(ordered) // 2])}..{_ms(ordered[-1])}"
         self._emit(f"rebalance after step {step}: {_batches(old)} -> {_batches(new)} "
                    f"from step {effective} (compute ms {times})")
 
