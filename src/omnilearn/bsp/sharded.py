@@ -65,6 +65,7 @@ Run: ``python -m pytest -q tests/dist/test_fsdp.py``
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -76,10 +77,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from omnilearn.checkpoint import CheckpointError
 
-try:  # torch >= 2.6
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - older torch
-    FSDPModule = None  # type: ignore[assignment,misc]
 
 # torch 2.13 renamed them (the old names warn); the same collectives
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -90,7 +87,11 @@ ROUTE = ("shard it with torch.distributed.fsdp.fully_shard (FSDP2) and pass the 
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return FSDPModule is not None and isinstance(model, FSDPModule)
+    """Whether ``model`` is an ``FSDPModule``. Only a process that imported FSDP can hold one, so FSDP (half a
+    second of imports, DTensor's included) is not imported here: every worker of an unsharded run starts faster."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_type = getattr(fsdp, "FSDPModule", None)  # torch >= 2.6
+    return module_type is not None and isinstance(model, module_type)
 
 
 def refuse_unbalanced(model: nn.Module, world_size: int) -> None:

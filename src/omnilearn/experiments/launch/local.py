@@ -206,9 +206,19 @@ def _die_with_launcher(launcher_pid: int, rank: int) -> None:
         os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the launcher only, which then asks each worker once
     except OSError:
         pass
-    if os.getppid() != launcher_pid:
+    if not _alive(launcher_pid):  # its parent is the fork server (or the launcher, when spawned)
         print(f"omnilearn: worker rank {rank}: the launcher (pid {launcher_pid}) is gone; exiting", file=sys.stderr)
         os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _stop_code() -> int:

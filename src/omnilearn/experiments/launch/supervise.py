@@ -38,6 +38,15 @@ its batches). Hung (SIGSTOP): named by its watchers within ``heartbeat_s``
 killer): seen by the launcher at once. Wrong (an exception: bad data, a full
 disk, non-finite gradients, which fail the ASP server): its error log.
 
+How the ranks start: from a fork server (Linux) that has imported torch,
+``torch._dynamo`` (DDP's constructor imports it: a second) and OmniLearn's
+worker code once, so a rank starts in milliseconds instead of 2-3 seconds of
+imports, and a restart or the next launch of the same process reuses the
+server. A rank gets the launcher's environment as it is at the start
+(:func:`_in_launch_env`), its working directory and ``sys.path`` (as
+``spawn`` gives them). ``OMNILEARN_START_METHOD=spawn`` (or another platform)
+spawns a fresh interpreter per rank instead.
+
 Blame, in this order: a watchdog's verdict naming a hung rank; a rank killed
 by a signal the launcher did not send (peers' errors after it are
 consequences); the earliest error log; the first rank that exited badly. In
@@ -55,7 +64,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import connection
+from multiprocessing import connection, forkserver, reduction
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -151,8 +160,64 @@ class SignalTrap:
             signal.signal(s, handler)
 
 
+START_METHOD_ENV = "OMNILEARN_START_METHOD"  # "spawn": a fresh interpreter per rank (the fork server's fallback)
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "omnilearn.experiments.launch.local",
+           "omnilearn.experiments.train.trainer", "omnilearn.experiments.train.asp")
+
+
+def start_context():
+    """The fork server, preloaded with :data:`PRELOAD` (Linux), or ``spawn`` (elsewhere, or asked for)."""
+    if os.environ.get(START_METHOD_ENV, "forkserver") == "spawn" or not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
+class _Fd:
+    """The launcher's file descriptor ``fd`` as it is now, passed to the rank (a copy, received as a number)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received, (reduction.DupFd(self.fd),)
+
+
+def _received(dup) -> int:
+    return dup.detach()
+
+
+def _in_launch_env(env: dict[str, str], stdout: int, stderr: int, target: Callable[..., None], rank: int,
+                   *args) -> None:
+    """A rank as if spawned by the launcher now: its environment and its stdout and stderr (a fork server has the
+    ones of its own start, which a caller that redirects its output since would not see), then ``target``."""
+    _leave_the_fork_servers_clients()
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, target_fd in ((stdout, 1), (stderr, 2)):
+        if fd != target_fd:
+            os.dup2(fd, target_fd)
+            os.close(fd)
+    target(rank, *args)
+
+
+def _leave_the_fork_servers_clients() -> None:
+    """Close this rank's copy of the fork server's "alive" pipe (every client holds one; the server ends when the
+    last closes), so the server ends with the launcher and the kernel then ends the ranks (their parent death
+    signal): a SIGKILLed launcher takes its ranks with it, as with ``spawn``."""
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
 class Workers:
-    """The spawned rank processes of one launch and how each ended."""
+    """The rank processes of one launch and how each ended."""
 
     def __init__(self) -> None:
         self.procs: list = []
@@ -163,12 +228,13 @@ class Workers:
         self.why_killed = ""
 
     def start(self, count: int, target: Callable[..., None], args: tuple, log_dir: Path, trap: SignalTrap) -> None:
-        """Spawn ``target(rank, *args)`` for ranks ``0..count-1`` (none after a trapped signal); write the pid file."""
-        spawn = mp.get_context("spawn")
+        """Start ``target(rank, *args)`` for ranks ``0..count-1`` (none after a trapped signal); write the pid file."""
+        context, env = start_context(), dict(os.environ)
         for rank in range(count):
             if trap.received:  # interrupted while starting: start no more
                 break
-            p = spawn.Process(target=target, args=(rank, *args), name=f"omnilearn-rank{rank}")
+            p = context.Process(target=_in_launch_env, args=(env, _Fd(1), _Fd(2), target, rank, *args),
+                                name=f"omnilearn-rank{rank}")
             p.start()
             self.procs.append(p)
         try:
