@@ -25,6 +25,7 @@ Run: ``python -m pytest -q tests/dist/test_accumulation.py`` (about a minute on 
 from __future__ import annotations
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -112,7 +113,7 @@ def three_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("accumulation")
     with pytest.MonkeyPatch.context() as m:
         m.setenv(SCRIPTED_ENV, "0.00025,0.0005,0.001")  # as speeds 4,2,1; the spawned workers inherit it
-        mp.start_processes(_accumulation_worker, args=(str(out / "store"), str(out)), nprocs=3, start_method="spawn")
+        start_ranks(_accumulation_worker, (str(out / "store"), str(out)), 3)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(3)]
 
 

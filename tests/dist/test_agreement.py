@@ -24,6 +24,7 @@ import os
 from datetime import timedelta
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -100,7 +101,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("agreement")
-    mp.start_processes(_worker, args=(str(out / "store"), str(out)), nprocs=2, start_method="spawn")
+    start_ranks(_worker, (str(out / "store"), str(out)), 2)
     events = [json.loads(line) for line in (out / "lag" / "metrics.jsonl").read_text().splitlines()]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)], events
 

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -298,7 +299,7 @@ def _two_rank_worker(rank: int, store: str, out: str) -> None:
 
 
 def test_existing_group_batches_buffers_seeds_settings_and_traffic(tmp_path):
-    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_two_rank_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     for r in (a, b):
         assert "(rank 1: speeds)" in r["settings_error"]  # out differs too, and is not compared
@@ -335,7 +336,7 @@ def _timeout_worker(rank: int, store: str, out: str) -> None:
     from datetime import timedelta
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=15))
+                            timeout=timedelta(seconds=6))
     ol = omnilearn.setup(global_batch=48, control_interval=4, device="cpu")
     model = ol.wrap_model(BNNet())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -351,7 +352,7 @@ def _timeout_worker(rank: int, store: str, out: str) -> None:
 
 
 def test_sync_buffers_on_one_rank_only_is_a_clear_error(tmp_path):
-    mp.start_processes(_timeout_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_timeout_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
     message = torch.load(tmp_path / "rank0.pt", weights_only=True)["message"]
     assert message.startswith("rank 0 waited at sync_buffers() (or finish()) after 2 steps and the other ranks did "
                               "not come: call step(), sync_buffers() and finish() on every rank")

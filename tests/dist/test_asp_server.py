@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -146,8 +147,7 @@ def _server_or_worker(rank: int, store: str, out: str, hang_ranks: tuple[int, ..
 
 
 def _run_with_hung(tmp_path: Path, hang_ranks: tuple[int, ...], wait_for: list[str]) -> None:
-    ctx = mp.start_processes(_server_or_worker, args=(str(tmp_path / "store"), str(tmp_path), hang_ranks), nprocs=3,
-                             join=False, start_method="spawn")
+    ctx = start_ranks(_server_or_worker, (str(tmp_path / "store"), str(tmp_path), hang_ranks), 3, join=False)
     deadline = time.time() + 90
     while not all((tmp_path / f).exists() for f in wait_for) and time.time() < deadline:
         time.sleep(0.5)
@@ -272,8 +272,7 @@ def _server_with_slow_eval(rank: int, store: str, out: str) -> None:
 
 
 def test_an_evaluation_longer_than_the_timeout_does_not_stop_the_run(tmp_path):
-    mp.start_processes(_server_with_slow_eval, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3,
-                       join=True, start_method="spawn")
+    start_ranks(_server_with_slow_eval, (str(tmp_path / "store"), str(tmp_path)), 3)
     errors = {f.name: f.read_text() for f in tmp_path.glob("rank*.txt")}
     assert not errors, errors
     summary = json.loads((tmp_path / "result.json").read_text())

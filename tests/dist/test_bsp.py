@@ -28,6 +28,7 @@ from omnilearn.tomlfile import loads as toml_loads
 from pathlib import Path
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -108,7 +109,7 @@ def test_three_heterogeneous_workers_in_float64_end_within_1e_12_of_one_process(
     expected = one_process_float64()  # first: it makes the data once for the workers
     assert {v.dtype for v in expected.values()} == {torch.float64}
     monkeypatch.setenv(SCRIPTED_ENV, SCRIPTED)  # the spawned workers inherit it: the same two changes every run
-    mp.start_processes(_float64_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3, start_method="spawn")
+    start_ranks(_float64_worker, (str(tmp_path / "store"), str(tmp_path)), 3)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
     splits = {tuple(p) for p in ranks[0]["plans"]}
     assert len(splits) == 3 and all(sum(p) == 256 for p in splits)  # even, then two uneven splits
@@ -207,7 +208,7 @@ def test_delay_emulation_slows_compute_and_makes_the_fast_worker_wait(tmp_path):
     compute is at least 80 ms at every step however busy the host; measured, a fast worker's wall-clock compute
     on a busy 2-core host sometimes grew (waits for a core) past half the slow one's, and this test failed."""
     out = tmp_path / "run"
-    mp.start_processes(_emulated_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    start_ranks(_emulated_worker, (str(tmp_path / "store"), str(out)), 2)
     rows = [r for r in read_metrics(out, "step") if r["step"] >= 2]
     fast, slow = ([r for r in rows if r["rank"] == k] for k in (0, 1))
     assert len(fast) == len(slow) == 8 and {r["batch"] for r in rows} == {32}

@@ -21,6 +21,7 @@ import math
 import tracemalloc
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -107,7 +108,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 
 def test_a_multi_piece_checkpoint_round_trips_in_bounded_cpu_pieces(tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     size = ranks[0]["file_bytes"]
     assert size > 6 * CHUNK, size

@@ -28,6 +28,7 @@ Run: ``python -m pytest -q tests/dist/test_fsdp.py`` (about a minute on 2 cores)
 from __future__ import annotations
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -167,7 +168,7 @@ class _PlainReduceScatter:
 
 
 def spawn(fn, world: int, tmp, *args) -> list[dict]:
-    mp.start_processes(fn, args=(world, str(tmp / "store"), str(tmp), *args), nprocs=world, start_method="spawn")
+    start_ranks(fn, (world, str(tmp / "store"), str(tmp), *args), world)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 

@@ -28,6 +28,7 @@ import os
 import socket
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -159,7 +160,7 @@ def three_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_exact")
     with pytest.MonkeyPatch.context() as m:
         m.setenv(SCRIPTED_ENV, "0.00025,0.0005,0.001")  # as speeds 4,2,1; the spawned ranks inherit it
-        mp.start_processes(_worker, args=(3, free_port(), str(out)), nprocs=3, start_method="spawn")
+        start_ranks(_worker, (3, free_port(), str(out)), 3)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(3)]
 
 

@@ -15,6 +15,7 @@ Run: ``python -m pytest -q tests/dist/test_hooks.py``
 from __future__ import annotations
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -55,7 +56,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 
 def test_hook_reduces_on_ddps_group_with_exact_weights(tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3, start_method="spawn")
+    start_ranks(_worker, (str(tmp_path / "store"), str(tmp_path)), 3)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
     g = [local_gradient(r) for r in range(3)]
     pair = g[0] * WEIGHTS[0] + g[1] * WEIGHTS[1]

@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -194,7 +195,7 @@ def spawn(worker, world: int, out: Path, scripted: str, prefix: str) -> list[dic
     """``worker(rank, store, out)`` on ``world`` gloo ranks fed ``scripted`` timings; each rank's result file."""
     with pytest.MonkeyPatch.context() as m:
         m.setenv(SCRIPTED_ENV, scripted)  # the spawned workers inherit it
-        mp.start_processes(worker, args=(str(out / f"store{world}"), str(out)), nprocs=world, start_method="spawn")
+        start_ranks(worker, (str(out / f"store{world}"), str(out)), world)
     return [torch.load(out / f"{prefix}{r}.pt", weights_only=True) for r in range(world)]
 
 

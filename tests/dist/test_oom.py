@@ -34,6 +34,7 @@ import os
 from datetime import timedelta
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -102,7 +103,7 @@ def _worker(rank: int, store: str, out: str, late: bool) -> None:
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory")
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), False), nprocs=2, start_method="spawn")
+    start_ranks(_worker, (str(out / "store"), str(out), False), 2)
     events = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)], events
 
@@ -187,7 +188,7 @@ def late_run(rank: int, faults: dict[int, tuple[int, str, int]]) -> dict:
 @pytest.fixture(scope="module")
 def late_errors(tmp_path_factory):
     out = tmp_path_factory.mktemp("late")
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), True), nprocs=2, start_method="spawn")
+    start_ranks(_worker, (str(out / "store"), str(out), True), 2)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

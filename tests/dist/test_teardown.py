@@ -32,6 +32,7 @@ import weakref
 from datetime import timedelta
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -81,7 +82,7 @@ def _close_worker(rank: int, store: str, out: str) -> None:
 
 
 def test_close_ends_the_groups_threads_and_frees_session_and_model(tmp_path):
-    mp.start_processes(_close_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_close_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert got["during"], "no gloo thread seen while the group was up: the check below would prove nothing"
@@ -104,7 +105,7 @@ def _timed_out_worker(rank: int, store: str) -> None:
 
 def test_a_rank_leaving_a_timed_out_collective_exits_cleanly(tmp_path):
     # Without the exit teardown rank 0 dies of SIGABRT at exit and this raises ProcessExitedException.
-    mp.start_processes(_timed_out_worker, args=(str(tmp_path / "store"),), nprocs=2, start_method="spawn")
+    start_ranks(_timed_out_worker, (str(tmp_path / "store"),), 2)
 
 
 def test_hook_state_holds_bound_methods_weakly():

@@ -36,8 +36,8 @@ import traceback
 from pathlib import Path
 
 import pytest
+from ranks import start_ranks
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from omnilearn import stopping
 from omnilearn.asp.faults import ENV, KillPoint, kill_point
@@ -85,8 +85,7 @@ def launch(out: Path, deadline_s: float = 150.0, signal_after_pushes: int | None
     workload.load_data(cfg)  # generated here once (the session's cache), not by every process at once
     out.mkdir(parents=True, exist_ok=True)
     store = out.parent / f"store-{out.name}-{time.monotonic_ns()}"
-    ctx = mp.start_processes(_rank, args=(world, str(store), str(out), {**RUN, **flags}), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = start_ranks(_rank, (world, str(store), str(out), {**RUN, **flags}), world, join=False)
     deadline = time.monotonic() + deadline_s
     while signal_after_pushes is not None and time.monotonic() < deadline:
         if (out / "metrics.jsonl").exists() and \

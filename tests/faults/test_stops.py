@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 import pytest
+from ranks import start_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from omnilearn.distributed import group
 from omnilearn.distributed import watchdog as wd
@@ -234,5 +234,5 @@ def test_the_watchdog_beats_beside_collectives(tmp_path, store):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    mp.start_processes(_beside_collectives, args=(init, str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_beside_collectives, (init, str(tmp_path)), 2)
     assert list(tmp_path.glob("error-rank*.log")) == []

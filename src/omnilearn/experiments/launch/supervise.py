@@ -43,7 +43,7 @@ How the ranks start: from a fork server (Linux) that has imported torch,
 worker code once, so a rank starts in milliseconds instead of 2-3 seconds of
 imports, and a restart or the next launch of the same process reuses the
 server. A rank gets the launcher's environment as it is at the start
-(:func:`_in_launch_env`), its working directory and ``sys.path`` (as
+(:func:`in_launch_env`), its working directory and ``sys.path`` (as
 ``spawn`` gives them). ``OMNILEARN_START_METHOD=spawn`` (or another platform)
 spawns a fresh interpreter per rank instead.
 
@@ -188,10 +188,16 @@ def _received(dup) -> int:
     return dup.detach()
 
 
-def _in_launch_env(env: dict[str, str], stdout: int, stderr: int, target: Callable[..., None], rank: int,
-                   *args) -> None:
-    """A rank as if spawned by the launcher now: its environment and its stdout and stderr (a fork server has the
-    ones of its own start, which a caller that redirects its output since would not see), then ``target``."""
+def launch_env(target: Callable[..., None]) -> tuple:
+    """The arguments that make :func:`in_launch_env` run ``target`` as if spawned now: this process's environment,
+    stdout and stderr as they are now (a fork server has the ones of its own start)."""
+    return dict(os.environ), _Fd(1), _Fd(2), target
+
+
+def in_launch_env(rank: int, env: dict[str, str], stdout: int, stderr: int, target: Callable[..., None],
+                  *args) -> None:
+    """A rank started with :func:`launch_env`'s arguments: the launcher's environment, stdout and stderr, then
+    ``target(rank, *args)``."""
     _leave_the_fork_servers_clients()
     os.environ.clear()
     os.environ.update(env)
@@ -229,11 +235,11 @@ class Workers:
 
     def start(self, count: int, target: Callable[..., None], args: tuple, log_dir: Path, trap: SignalTrap) -> None:
         """Start ``target(rank, *args)`` for ranks ``0..count-1`` (none after a trapped signal); write the pid file."""
-        context, env = start_context(), dict(os.environ)
+        context = start_context()
         for rank in range(count):
             if trap.received:  # interrupted while starting: start no more
                 break
-            p = context.Process(target=_in_launch_env, args=(env, _Fd(1), _Fd(2), target, rank, *args),
+            p = context.Process(target=in_launch_env, args=(rank, *launch_env(target), *args),
                                 name=f"omnilearn-rank{rank}")
             p.start()
             self.procs.append(p)
