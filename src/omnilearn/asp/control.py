@@ -24,9 +24,13 @@ recorded.
 
 Scripted timings (tests only): with ``OMNILEARN_TEST_S_PER_SAMPLE`` set
 (:data:`omnilearn.decisions.SCRIPTED_ENV`, one ``fixed_s:s_per_sample`` per
-worker) each recorded push counts ``fixed_s + s_per_sample x batch`` instead
-of its measured cycle time, as the BSP and TensorFlow runtimes do with their
-compute times, so the decisions do not depend on how busy the host is.
+worker) each recorded push counts ``(fixed_s + s_per_sample x batch) x
+slowdown`` instead of its measured cycle time, where ``slowdown`` is the
+emulated slowdown the server sent with the batch (1 without emulation): the
+scripted times are those at full speed, and a speed schedule's change
+reaches them as the delay emulator's sleep reaches a measured cycle. So the
+decisions do not depend on how busy the host is, as with the BSP and
+TensorFlow runtimes' scripted compute times.
 
 Run its tests: ``python -m pytest -q tests/unit/test_aspmath.py -k control tests/dist/test_asp_server.py``
 """
@@ -68,14 +72,15 @@ class PushControl:
         """Cycle times held in memory (at most ``interval_pushes``)."""
         return sum(len(w) for w in self.window_s)
 
-    def record(self, worker: int, batch: int, cycle_s: float) -> bool:
-        """One applied push; True when the window is full and :meth:`decide` is due."""
+    def record(self, worker: int, batch: int, cycle_s: float, slowdown: float = 1.0) -> bool:
+        """One applied push, computed under the emulated ``slowdown``; True when the window is full and
+        :meth:`decide` is due."""
         if worker not in self.live:
             return False
         at = self.live.index(worker)
         if self.scripted is not None:
             fixed_s, s_per_sample = self.scripted[worker]
-            cycle_s = fixed_s + s_per_sample * batch
+            cycle_s = (fixed_s + s_per_sample * batch) * slowdown
         if batch == self.loop.batches[at]:
             self.window_s[at].append(cycle_s)
         self.pushes += 1

@@ -103,6 +103,7 @@ class ParameterServer:
         self.evaluated_epoch = 0
         self.evaluation: tuple[int, int, float, Future] | None = None  # epoch, version, train_s, result
         self.outstanding: dict[int, Deal] = {}  # per worker: what it was dealt and has not pushed yet
+        self.sent_slowdown: dict[int, float] = {}  # per worker: the emulated slowdown of its last reply
         self.retried: set[int] = set()  # workers recomputing a push refused for its staleness (--max-staleness)
         self.held: list[tuple[int, Request, torch.Tensor, Deal]] = []  # pushes that arrived while evaluating
         self.pool: ThreadPoolExecutor | None = None
@@ -217,7 +218,9 @@ class ParameterServer:
     def slowdown(self, worker: int) -> float:
         speeds = self.run.speeds.at(min(self.step, self.run.total_steps - 1))
         self.log.speeds(self.version, speeds)
-        return slowdown(speeds, worker) if self.cfg.emulator == "delay" else 1.0
+        factor = slowdown(speeds, worker) if self.cfg.emulator == "delay" else 1.0
+        self.sent_slowdown[worker] = factor  # the worker computes its next push under it
+        return factor
 
     def apply(self, worker: int, req: Request, payload: torch.Tensor, train_s: float, deal: Deal | None = None) -> None:
         """One push: an optimizer step with this push's rate on the server's current weights.
@@ -246,7 +249,7 @@ class ParameterServer:
             self.coverage.add(*deal)
         self.log.push(self.version, worker, req, stale, lr, train_s, self.dealer.epochs_done,
                       None if deal is None else deal[0])
-        if self.control.record(worker, req.batch, req.cycle_s):
+        if self.control.record(worker, req.batch, req.cycle_s, self.sent_slowdown.get(worker, 1.0)):
             self.log.decision(self.control.decide(self.version))
 
     def start_evaluation(self, epoch: int) -> None:
