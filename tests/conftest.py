@@ -5,7 +5,14 @@ Run everything with ``python -m pytest -q`` from the repository root.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# What torchrun sets (and Hugging Face's accelerate sets in a process of its own): left behind by a test, the
+# next launch reads it as "under torchrun" ("--workers 2 does not match torchrun's WORLD_SIZE 1").
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -15,6 +22,17 @@ def _data_cache(tmp_path_factory):
     mp.setenv("OMNILEARN_CACHE", str(tmp_path_factory.mktemp("cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_torchrun_env():
+    before = {key: os.environ.get(key) for key in TORCHRUN_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(autouse=True)

@@ -329,7 +329,9 @@ def test_resumed_persistent_loader_workers_get_the_uninterrupted_seed(tmp_path):
                 ol.step()
                 if ol.next_step == stop_after:
                     ol.save_checkpoint(tmp_path, model=model)
+                    ol.release()  # the stopped run lets its loader workers go, as its process would at exit
                     return seen
+        ol.release()
         return seen
 
     whole = seeds()
@@ -364,3 +366,18 @@ def test_session_load_raises_when_checkpoints_exist_and_none_is_usable(tmp_path)
     with pytest.raises(CheckpointError, match="no usable checkpoint"):
         again[0].load_checkpoint(tmp_path, model=again[1])
     assert again[0].next_step == 0
+
+
+def test_release_ends_the_loader_workers_cleanly_mid_epoch():
+    """A loop left early: release() asks the persistent workers to stop (exit 0), where the garbage collector
+    used to close their queues first, wait 5 s per worker and then terminate them (exit -15)."""
+    ol = omnilearn.setup(global_batch=16, control_interval=5, device="cpu")
+    ol.wrap_model(nn.Linear(1, 2))
+    loader = ol.data_loader(Seeds(), num_workers=1)
+    batches = iter(loader)
+    next(batches)
+    ol.step()
+    workers = list(loader.loader._iterator._workers)
+    ol.release()
+    assert loader.loader._iterator is None and [w.exitcode for w in workers] == [0]
+    ol.release()  # idempotent

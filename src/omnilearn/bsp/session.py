@@ -465,8 +465,11 @@ class Session(MemorySteps, IntervalEnds):
         return extra is not None
 
     def release(self) -> None:
-        """Give back OS throttles (idempotent); never hides the run's own outcome."""
+        """Give back OS throttles and end the loader's worker processes (idempotent); never hides the run's own
+        outcome. ``finish()`` and ``close()`` call it; a loop left early calls it to let go at once."""
         self.emulation.release()
+        if self.loader is not None and hasattr(self.loader, "shutdown"):
+            self.loader.shutdown()
 
     def close(self) -> None:
         """Leave the process group (whoever created it), after every rank got here.
