@@ -114,3 +114,11 @@ def test_bad_bench_flag_gives_one_line_and_exit_2(tmp_path, capsys, flags, needl
 def test_report_on_a_directory_without_a_run(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "holds neither metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_bad_worker_start_method_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMNILEARN_START_METHOD", "fork")
+    assert main(["train", "--max-steps", "4", "--no-plots", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "OMNILEARN_START_METHOD='fork' is not a start method for the workers: use spawn or forkserver" in err
+    assert "Traceback" not in err and err.count("omnilearn: error") == 1

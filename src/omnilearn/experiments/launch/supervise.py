@@ -70,6 +70,7 @@ from typing import Callable, Sequence
 
 import torch.multiprocessing as mp
 
+from omnilearn.config import ConfigError
 from omnilearn.distributed.watchdog import SERVER, ErrorLog, hung_rank, rank_name, read_error_log, read_error_logs
 
 STOP_GRACE_S = 8.0  # after SIGTERM on an interrupt: time to reach a safe point and checkpoint, then SIGKILL
@@ -167,7 +168,11 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "omnilearn.experiments
 
 def start_context():
     """The fork server, preloaded with :data:`PRELOAD` (Linux), or ``spawn`` (elsewhere, or asked for)."""
-    if os.environ.get(START_METHOD_ENV, "forkserver") == "spawn" or not sys.platform.startswith("linux"):
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ConfigError(f"{START_METHOD_ENV}={method!r} is not a start method for the workers: use spawn or "
+                          "forkserver (the default), or unset it")
+    if method == "spawn" or not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
