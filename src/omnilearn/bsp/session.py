@@ -468,7 +468,7 @@ class Session(MemorySteps, IntervalEnds):
         """Give back OS throttles and end the loader's worker processes (idempotent); never hides the run's own
         outcome. ``finish()`` and ``close()`` call it; a loop left early calls it to let go at once."""
         self.emulation.release()
-        if self.loader is not None and hasattr(self.loader, "shutdown"):
+        if self.loader is not None:
             self.loader.shutdown()
 
     def close(self) -> None:
