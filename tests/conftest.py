@@ -1,6 +1,8 @@
 """Shared test fixtures: a private data cache per session, no leftover process groups or stop handlers.
 
-Run everything with ``python -m pytest -q`` from the repository root.
+Run everything with the README's command from the repository root: ``python -m pytest -q -n 2 --dist loadfile``
+(pytest-xdist: two worker processes, each taking whole files, so a module's shared runs are made once). Each
+worker has its own data cache, fork server and temp directories; nothing here is shared between them.
 """
 
 from __future__ import annotations

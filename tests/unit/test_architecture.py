@@ -3,7 +3,7 @@
 Static (pure ``ast``, fast) over ``src/omnilearn``, counting module- and function-level imports (and
 ``TYPE_CHECKING`` ones: a type-only cycle is still a design cycle): no import cycle; ``omnilearn.balance``
 and ``omnilearn.tf`` (with the TensorFlow job) never reach torch; nothing outside ``omnilearn/experiments/`` but ``__main__`` imports the harness; no
-``from omnilearn.x import _name`` or ``module._name`` across modules; each rule is shown able to fail on a
+``from omnilearn.x import _name`` or ``module._name`` across modules; a file over ~300 lines says why at its top; each rule is shown able to fail on a
 tiny tree in ``tmp_path``. Runtime (subprocesses): the library loads no matplotlib, mnist1d, PIL or
 harness module; the CLI names the missing ``[experiments]`` extra; pyproject keeps the library to torch, numpy.
 
@@ -163,6 +163,17 @@ def private_uses(tree: Tree) -> list[tuple[str, int, str]]:
     return sorted(out)
 
 
+LONG_FILE_LINES = 310  # "no file over ~300 lines without a reason written at its top" (issue 23)
+LONG_FILE_REASON = "Why one file over 300 lines:"
+
+
+def long_files_without_reason(tree: Tree) -> list[str]:
+    """Files of more than :data:`LONG_FILE_LINES` lines whose module docstring does not say why."""
+    return sorted(tree.rel(m) for m, body in tree.asts.items()
+                  if len(tree.modules[m].read_text().splitlines()) > LONG_FILE_LINES
+                  and LONG_FILE_REASON not in " ".join((ast.get_docstring(body) or "").split()))
+
+
 @lru_cache(maxsize=1)
 def omnilearn_tree() -> Tree:
     return scan(SRC, "omnilearn")
@@ -197,6 +208,20 @@ def test_library_never_imports_the_harness():
 
 def test_no_private_names_across_modules():
     assert private_uses(omnilearn_tree()) == []
+
+
+def test_long_files_say_why_at_their_top():
+    assert long_files_without_reason(omnilearn_tree()) == []
+
+
+def test_long_file_rule_can_fail(tmp_path):
+    filler = "x = 1\n" * LONG_FILE_LINES
+    tree = scan(write_tree(tmp_path, {
+        "pkg/__init__.py": "", "pkg/short.py": "x = 1\n",
+        "pkg/long.py": '"""A long module."""\n' + filler,
+        "pkg/told.py": f'"""A long module.\n\n{LONG_FILE_REASON} one state machine.\n"""\n' + filler,
+    }), "pkg")
+    assert long_files_without_reason(tree) == ["pkg/long.py"]
 
 
 # ------------------------------------------- the rules can fail (synthetic)

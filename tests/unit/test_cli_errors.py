@@ -122,3 +122,13 @@ def test_a_bad_worker_start_method_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "OMNILEARN_START_METHOD='fork' is not a start method for the workers: use spawn or forkserver" in err
     assert "Traceback" not in err and err.count("omnilearn: error") == 1
+
+
+def test_a_tmpdir_too_long_for_the_fork_servers_socket_starts_the_workers_with_spawn(tmp_path, monkeypatch):
+    from omnilearn.experiments.launch import supervise
+    monkeypatch.delenv("OMNILEARN_START_METHOD", raising=False)
+    room = supervise.UNIX_SOCKET_PATH_MAX - len("/listener-XXXXXXXX")
+    monkeypatch.setattr(supervise.util, "get_temp_dir", lambda: "/t" + "x" * (room - 2))
+    assert supervise.start_context().get_start_method() == "forkserver"  # the longest that fits
+    monkeypatch.setattr(supervise.util, "get_temp_dir", lambda: "/t" + "x" * (room - 1))
+    assert supervise.start_context().get_start_method() == "spawn"  # "AF_UNIX path too long" otherwise

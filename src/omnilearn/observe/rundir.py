@@ -17,6 +17,10 @@ line naming the file, about how much it needs and what is free where; the
 temp file is removed and the old file kept; ``metrics.jsonl`` is cut back to
 its last whole line. Reading it back is :mod:`omnilearn.observe.metrics`'s.
 
+Why one file over 300 lines: every write into a run directory (the preparation, the metrics log, the atomic
+JSON and model files) shares one failure policy (a full disk is one line, nothing half-written); the
+checks live beside the writes they guard.
+
 Run its tests: ``python -m pytest -q tests/unit/test_rundir.py tests/unit/test_recorder.py``
 """
 

@@ -30,6 +30,9 @@ Start-up progress (not when ``quiet``): the launcher says which processes it
 starts, rank 0 how long they took to come up and join (each starts Python
 and imports PyTorch: seconds, more on a loaded machine); the trainer goes on.
 
+Why one file over 300 lines: both launchers (local ranks and ``torchrun``) and what runs inside a local rank
+(its jobs, its error log, its death with the launcher) are one protocol; the supervision is apart.
+
 Run: ``python -m pytest -q tests/faults/test_stops.py tests/faults/test_asp_faults.py tests/dist/test_bsp.py``
 """
 

@@ -44,13 +44,17 @@ worker code once, so a rank starts in milliseconds instead of 2-3 seconds of
 imports, and a restart or the next launch of the same process reuses the
 server. A rank gets the launcher's environment as it is at the start
 (:func:`in_launch_env`), its working directory and ``sys.path`` (as
-``spawn`` gives them). ``OMNILEARN_START_METHOD=spawn`` (or another platform)
-spawns a fresh interpreter per rank instead.
+``spawn`` gives them). ``OMNILEARN_START_METHOD=spawn`` (or another platform, or a ``TMPDIR``
+too long for the server's socket path) spawns a fresh interpreter per rank
+instead.
 
 Blame, in this order: a watchdog's verdict naming a hung rank; a rank killed
 by a signal the launcher did not send (peers' errors after it are
 consequences); the earliest error log; the first rank that exited badly. In
 ASP only the server's exit and log, and verdicts naming it, count.
+
+Why one file over 300 lines: what an exit means (the rules, the blame) and how the rank processes are
+started, watched and stopped share one view of each process; the rules are pure and tested alone.
 
 Run: ``python -m pytest -q tests/faults/test_stops.py tests/faults/test_asp_faults.py``
 """
@@ -64,7 +68,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import connection, forkserver, reduction
+from multiprocessing import connection, forkserver, reduction, util
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -172,11 +176,20 @@ def start_context():
     if method not in ("forkserver", "spawn"):
         raise ConfigError(f"{START_METHOD_ENV}={method!r} is not a start method for the workers: use spawn or "
                           "forkserver (the default), or unset it")
-    if method == "spawn" or not sys.platform.startswith("linux"):
+    if method == "spawn" or not sys.platform.startswith("linux") or not _fork_server_address_fits():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     return context
+
+
+UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
+
+
+def _fork_server_address_fits() -> bool:
+    """Whether the fork server's socket (``listener-XXXXXXXX`` in multiprocessing's temp dir, under ``TMPDIR``)
+    has a short enough path: a long ``TMPDIR`` makes it fail with "AF_UNIX path too long", so spawn instead."""
+    return len(os.fsencode(util.get_temp_dir())) + len("/listener-XXXXXXXX") <= UNIX_SOCKET_PATH_MAX
 
 
 class _Fd:

@@ -144,9 +144,9 @@ class BSPTrainer:
         return workload.criterion(self.model(x), y)
 
     def _maybe_checkpoint(self) -> None:
+        """At an interval end: a due checkpoint, or the final one of an agreed stop (then raise :class:`Stopped`)."""
         if self.kill_at is not None and self.session.next_step >= self.kill_at:
             faultinject.die()
-        """At an interval end: a due checkpoint, or the final one of an agreed stop (then raise :class:`Stopped`)."""
         session = self.session
         if not session.interval_ended:
             return
