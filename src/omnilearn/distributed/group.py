@@ -22,6 +22,7 @@ unpinned, so its gloo threads end and its sockets close there and then,
 never during interpreter finalisation, where a gloo thread that must take
 the GIL aborts the process ("terminate called without an active
 exception"; docs/failures.md, "The abort at exit"; docs/upstream.md).
+
 Why one file over 300 lines: a process group's whole life (the ways in, the stores, the device, the
 teardown that must happen in one order) is one state; split, the order would be checked across files.
 
