@@ -79,6 +79,11 @@ def test_wrong_count_names_both_counts():
     assert "4" in str(e.value) and "3" in str(e.value)
 
 
+@pytest.mark.parametrize("workers", [1, 2, 4, 16])
+def test_hl1_is_equal_speeds_at_any_worker_count(workers):
+    assert parse_speeds("HL1", workers) == BSP_LEVELS["HL1"][:1] * workers  # others: the paper's 4-worker mixes
+
+
 @pytest.mark.parametrize(
     "text",
     ["0,1,2", "-1,1,2", "1,nan,2", "1,inf,2", "1,-inf,2", "1,1e400,2", "a,b,c", "1,,2", "", "1;2;3", "fast,2,1", "1,2,x"],

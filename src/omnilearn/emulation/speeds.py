@@ -40,7 +40,7 @@ class SpeedError(ValueError):
 
 def parse_speeds(text: str, workers: int, levels: dict[str, tuple[float, ...]] = BSP_LEVELS,
                  workers_said: str | None = None) -> tuple[float, ...]:
-    """Parse ``4,2,1`` or ``HL8`` into one positive speed per worker.
+    """Parse ``4,2,1`` or ``HL8`` into one positive speed per worker (``HL1``, all equal, fits any count).
 
     ``workers_said``: where the worker count came from, for the mismatch error (default ``--workers is N``;
     e.g. ``the process group has 2 ranks`` when nobody typed it).
@@ -48,6 +48,8 @@ def parse_speeds(text: str, workers: int, levels: dict[str, tuple[float, ...]] =
     key = text.strip().upper()
     if key in levels:
         speeds = levels[key]
+        if len(set(speeds)) == 1:  # a homogeneous level (HL1): equal speeds at any worker count
+            speeds = (speeds[0],) * workers
     elif key.startswith("HL"):
         raise SpeedError(f"unknown heterogeneity level {text!r}; choose one of {', '.join(levels)}")
     else:
