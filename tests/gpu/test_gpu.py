@@ -170,7 +170,7 @@ def _memory_run(fn_cap: int | None, **settings) -> tuple[dict, omnilearn.Session
         x, y = (t.to(ol.device, non_blocking=True) for t in batch)
         if fn_cap is not None and len(x) > fn_cap:
             torch.empty(1 << 50, dtype=torch.uint8, device=ol.device)  # a real CUDA out-of-memory error
-        return token_loss(model, x, y)
+        return token_loss(model, x, y), (y != PAD).sum()  # a token mean: micro-batches weigh by their tokens
 
     for batch in ol.data_loader(TokenData(512, 16, 32)):
         opt.zero_grad()

@@ -193,10 +193,20 @@ def prepare(model: nn.Module, weight: Callable[[], Any], before: Callable[[], ob
         unit.set_gradient_divide_factor(1.0)
         unit.set_custom_reduce_scatter(scatter)
         unit.set_custom_all_gather(gather)
-        for param_group in unit._get_fsdp_state()._fsdp_param_groups:
+        for param_group in _param_groups(unit):
             for name in ("wait_for_unshard", "finalize_backward"):
                 setattr(param_group, name, _timed_wait(getattr(param_group, name), blocked, stall, cuda))
     return model
+
+
+def _param_groups(unit: nn.Module) -> list[Any]:
+    """A unit's FSDP parameter groups: torch 2.13 keeps a list (``_fsdp_param_groups``), 2.11 one or none."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group  # torch 2.11 (found on a GPU machine): at most one group per unit
+    return [] if group is None else [group]
 
 
 def _timed_wait(wait: Callable[..., Any], blocked: Callable[[float, float], None], stall: Callable[[Any, Any], None],
