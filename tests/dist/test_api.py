@@ -30,6 +30,7 @@ import omnilearn
 from omnilearn.config import ConfigError
 from omnilearn.data.plan import GlobalPlan
 from omnilearn.decisions import SCRIPTED_ENV
+from omnilearn.distributed import collect
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,11 +218,17 @@ class CountingCollectives:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, bool]] = []
         self.all_gather, self.gather, self.reduce = dist.all_gather, dist.gather, dist.reduce
+        self.into_tensor = collect._GATHER_INTO
         dist.all_gather, dist.gather, dist.reduce = self._all_gather, self._gather, self._reduce
+        collect._GATHER_INTO = self._all_gather_into_tensor
 
     def _all_gather(self, parts, tensor, *a, **kw):
         self.calls.append(("all_gather", sum(p.numel() for p in parts), True))
         return self.all_gather(parts, tensor, *a, **kw)
+
+    def _all_gather_into_tensor(self, out, tensor, *a, **kw):
+        self.calls.append(("all_gather", out.numel(), True))
+        return self.into_tensor(out, tensor, *a, **kw)
 
     def _gather(self, tensor, parts=None, *a, **kw):
         self.calls.append(("gather", tensor.numel(), parts is not None))

@@ -59,10 +59,12 @@ class StepTimer(HostClock):
         self._events: dict[str, torch.cuda.Event] = {}
         self._stalls: list[tuple] = []
         self.open = False
+        self._free: list[torch.cuda.Event] = []  # events of collected steps, recorded again (no create per mark)
+        self._stream: torch.cuda.Stream | None = None  # the compute stream at begin(), for begin() and end()
 
-    def _event(self) -> "torch.cuda.Event":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
+    def _event(self, stream: "torch.cuda.Stream | None" = None) -> "torch.cuda.Event":
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return event
 
     def begin(self) -> None:
@@ -70,7 +72,9 @@ class StepTimer(HostClock):
         with self._lock:
             self.start()
             self.ready_s = self.reduced_s = 0.0
-            self._events = {"start": self._event()} if self.cuda else {}
+            if self.cuda:
+                self._stream = torch.cuda.current_stream(self.device)
+            self._events = {"start": self._event(self._stream)} if self.cuda else {}
             self._stalls: list[tuple] = []
             self.open = True
 
@@ -111,7 +115,7 @@ class StepTimer(HostClock):
                 raise RuntimeError("StepTimer.end() without begin()")
             self.open = False
             if self.cuda:
-                self._events["end"] = self._event()
+                self._events["end"] = self._event(self._stream)
                 self.pending.append(("cuda", {**self._events, "stalls": self._stalls}, self.delay_s))
             else:
                 step_s = time.perf_counter() - self.start_s
@@ -129,7 +133,11 @@ class StepTimer(HostClock):
             pending, self.pending = self.pending, []
         if pending and pending[-1][0] == "cuda":
             pending[-1][1]["end"].synchronize()
-        return [p[1] if p[0] == "cpu" else _cuda_times(p[1], p[2]) for p in pending]
+        times = [p[1] if p[0] == "cpu" else _cuda_times(p[1], p[2]) for p in pending]
+        done = [e for p in pending if p[0] == "cuda" for k, e in p[1].items() if k != "stalls"]
+        with self._lock:  # resolved: each can be recorded again
+            self._free.extend(done)
+        return times
 
 
 def _cuda_times(events: dict, delay_s: float) -> StepTimes:

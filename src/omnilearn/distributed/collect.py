@@ -27,6 +27,8 @@ import torch.distributed as dist
 from omnilearn.distributed.group import DistContext
 
 CHUNK_BYTES = 16 * 2**20  # one piece of a broadcast_chunks
+# One all-gather into one output tensor: torch 2.13 names it all_gather_single (the old name warns), 2.11 not yet.
+_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def all_gather_row(ctx: DistContext, row: Sequence[float], group=None) -> list[list[float]]:
@@ -34,9 +36,10 @@ def all_gather_row(ctx: DistContext, row: Sequence[float], group=None) -> list[l
     if not ctx.grouped:
         return [[float(v) for v in row]]
     mine = torch.tensor([float(v) for v in row], dtype=torch.float64, device=ctx.device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    return torch.stack(parts).cpu().tolist()
+    world = dist.get_world_size(group)
+    out = torch.empty(world * len(mine), dtype=torch.float64, device=ctx.device)  # flat: gloo wants it so
+    _GATHER_INTO(out, mine, group=group)  # one output buffer: no per-rank tensors, no stack
+    return out.view(world, len(mine)).cpu().tolist()
 
 
 def gather_to_main(ctx: DistContext, rows: list[list[float]], width: int) -> list[list[list[float]]] | None:
@@ -54,12 +57,13 @@ def reduce_to_main(ctx: DistContext, summed: Sequence[float], maxed: Sequence[fl
     """Rank 0 gets ``summed`` added up over the ranks and ``maxed`` maximised element-wise; other ranks get None."""
     if not ctx.grouped:
         return [float(v) for v in summed], [float(v) for v in maxed]
-    out = []
-    for values, op in ((summed, dist.ReduceOp.SUM), (maxed, dist.ReduceOp.MAX)):
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ctx.device)
-        dist.reduce(t, dst=0, op=op)
-        out.append(t.cpu().tolist())
-    return (out[0], out[1]) if ctx.is_main else None
+    sums = torch.tensor([float(v) for v in summed], dtype=torch.float64, device=ctx.device)
+    maxes = torch.tensor([float(v) for v in maxed], dtype=torch.float64, device=ctx.device)
+    works = [dist.reduce(sums, dst=0, op=dist.ReduceOp.SUM, async_op=True),  # both in flight at once
+             dist.reduce(maxes, dst=0, op=dist.ReduceOp.MAX, async_op=True)]
+    for work in works:
+        work.wait()
+    return (sums.cpu().tolist(), maxes.cpu().tolist()) if ctx.is_main else None
 
 
 def share_path(ctx: DistContext, path: Path | None) -> Path | None:
