@@ -100,23 +100,26 @@ def plans_differ(table: Sequence[Sequence[float]]) -> list[int]:
     return [rank for rank, row in enumerate(table) if row[7] != table[0][7]]
 
 
-def feed(loop: ControlLoop, schedule: BatchSchedule, step: int, table: Sequence[Sequence[float]]) -> Decision:
-    """Give the gathered ``table`` to the loop; register a change in ``schedule`` at the first step no rank sampled."""
+def feed(loop: ControlLoop, schedule: BatchSchedule, step: int, table: Sequence[Sequence[float]],
+         read_ahead: int = 0) -> Decision:
+    """Give the gathered ``table`` to the loop; register a change in ``schedule`` at the first step no rank sampled
+    (``read_ahead``: how many more steps past its row's each rank may have sampled since: a meeting read later)."""
     caps = [int(row[4]) for row in table]
     decision = loop.update(step, [row[HEADER:] for row in table], caps=caps if any(caps) else None,
                            step_s=[row[5] for row in table])
     if not decision.changed:
         return decision
-    first = max(decision.effective_step, 1 + max(int(row[2]) for row in table))
+    first = max(decision.effective_step, 1 + read_ahead + max(int(row[2]) for row in table))
     schedule.change(first, decision.new)
     return dataclasses.replace(decision, effective_step=first)
 
 
-def check(loop: ControlLoop, schedule: BatchSchedule, step: int, table: Sequence[Sequence[float]]) -> Decision | None:
+def check(loop: ControlLoop, schedule: BatchSchedule, step: int, table: Sequence[Sequence[float]],
+          read_ahead: int = 0) -> Decision | None:
     """A look within the interval: a decision (recorded) if some worker's speed clearly shifted, else None."""
     if not loop.shifted([row[HEADER:] for row in table]).any():
         return None
-    return feed(loop, schedule, step, table)
+    return feed(loop, schedule, step, table, read_ahead)
 
 
 def stop_asked(table: Sequence[Sequence[float]]) -> bool:

@@ -111,8 +111,8 @@ def test_ranks_with_different_loader_settings_plan_with_the_same_lag(ranks):
     assert (a["loaders"]["plan"], a["loaders"]["schedule"]) == (b["loaders"]["plan"], b["loaders"]["schedule"])
     assert a["loaders"]["lag"] == b["loaders"]["lag"] == 2  # the deeper prefetch: rank 1's 1 worker x 2
     first = next(e for e in events if e["event"] == "decision")
-    assert first["step"] == 5 and not first["changed"]  # the change was wanted, but too late for lag 2
-    assert "would start at step 8 >= total steps 8" in first["reason"]
+    assert first["step"] == 6 and not first["changed"]  # the interval's end (step 5), read a step later
+    assert "would start at step 9 >= total steps 8" in first["reason"], first  # wanted, but too late for lag 2
 
 
 def test_datasets_of_different_lengths_are_refused_on_every_rank(ranks):

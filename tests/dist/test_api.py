@@ -289,7 +289,8 @@ def _two_rank_worker(rank: int, store: str, out: str) -> None:
         _train_step(stream, stream_model, stream_opt, x, y)
     stream.finish()
     result.update(stream_batches=stream.batches, stream_steps=stream.steps_done)
-    # Out of step: rank 1 ends a control interval while rank 0 calls sync_buffers(): both are told.
+    # Out of step: rank 1 ends a control interval while rank 0 calls sync_buffers(): both are told (rank 1 when
+    # it reads that meeting: at its next step() or, here, its own sync_buffers()).
     other = omnilearn.setup(global_batch=48, control_interval=3, device="cpu")
     other.wrap_model(BNNet())
     it = iter(other.data_loader(ListData(480)))
@@ -297,8 +298,7 @@ def _two_rank_worker(rank: int, store: str, out: str) -> None:
         for _ in range(3 if rank == 1 else 2):
             next(it)
             other.step()
-        if rank == 0:
-            other.sync_buffers()
+        other.sync_buffers()
     except RuntimeError as e:
         result["out_of_step"] = str(e)
     torch.save(result, f"{out}/rank{rank}.pt")

@@ -164,7 +164,7 @@ def test_run_directory_holds_config_metrics_summary_and_model(tmp_path, monkeypa
     assert summary["balance_efficiency"] == pytest.approx(balance_efficiency(rows, first), rel=1e-9)
     assert [w["mean_wait_s"] for w in summary["workers"]] == pytest.approx(
         [w.mean_wait_s for w in worker_stats(rows, first)], rel=1e-9)
-    assert [d["step"] for d in read_metrics(out, "decision")] == [7, 15, 23]  # one per interval end
+    assert [d["step"] for d in read_metrics(out, "decision")] == [8, 16, 24]  # ends 7, 15, 23, read a step on
     assert read_metrics(out, "eval")
     for key in ("steps", "wall_s", "samples_per_s", "final_train_loss", "test_accuracy", "balance_efficiency"):
         assert summary[key] is not None

@@ -4,7 +4,7 @@
 - Emulated cap (``OMNILEARN_FAULT_OOM=1:20``, raised before DDP's forward):
   rank 1 fails on 32 samples at step 0, halves its cap to 16, redoes the
   step as 2 x 16 (rank 0 runs 1 x 32 and waits in the all-reduce), warns;
-  at the interval end (step 3) the loop re-plans to (48, 16) from step 4,
+  the interval end's meeting (step 3, read at step 4) re-plans to (48, 16) from step 5,
   rank 0 records a ``memory_cap`` event; no forward on rank 1 ever exceeds
   16 samples after the error; the weights equal the plain run's.
 - The same error raised by the loss, *after* DDP's forward announced a
@@ -14,11 +14,11 @@
 - Late errors, after DDP's first bucket rebuild (a second spawn, float64,
   a 10 s group timeout so a desynchronised DDP errors instead of hanging):
   the emulated kind (before DDP's forward) at step 5; the kind raised in the
-  loss (after DDP's forward: a reset, pending until the meeting at step 9,
-  then every rank resets and the buckets are rebuilt together); and a
-  sequence that also fails between that collective reset and the rebuild
-  (step 10, in the loss) and in the rebuilding forward itself (step 11,
-  before DDP's forward). Each runs 30 steps, ends with the weights of the
+  loss (after DDP's forward: a reset, pending until the meeting of step 9,
+  read at step 10, then every rank resets and the buckets are rebuilt
+  together); and a sequence that also fails between that collective reset
+  and the rebuild (step 11, in the loss) and in the rebuilding forward itself
+  (step 12, before DDP's forward). Each runs 30 steps, ends with the weights of the
   run without errors (1e-12) and with DDP's buckets rebuilt on both ranks.
 
 The controller is ``omnilearn`` with deadband 0.99: only forced cap
@@ -115,10 +115,10 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def test_an_out_of_memory_error_lowers_the_cap_replans_and_learns_the_same(two_workers):
     ranks, events = two_workers
     oom = [r["oom"] for r in ranks]
-    assert oom[0]["plans"] == [[32, 32]] * 4 + [[48, 16]] * (STEPS - 4)  # re-planned at the first interval end
-    assert oom[1]["sizes"] == [[16, 16]] * 4 + [[16]] * (STEPS - 4) and oom[1]["cap"] == 16
-    assert max(oom[1]["forwards"]) <= 16 and len(oom[1]["forwards"]) == 4 * 2 + STEPS - 4  # the 32 never ran
-    assert oom[0]["sizes"] == [[32]] * 4 + [[48]] * (STEPS - 4)
+    assert oom[0]["plans"] == [[32, 32]] * 5 + [[48, 16]] * (STEPS - 5)  # re-planned at the first interval end
+    assert oom[1]["sizes"] == [[16, 16]] * 5 + [[16]] * (STEPS - 5) and oom[1]["cap"] == 16
+    assert max(oom[1]["forwards"]) <= 16 and len(oom[1]["forwards"]) == 5 * 2 + STEPS - 5  # the 32 never ran
+    assert oom[0]["sizes"] == [[32]] * 5 + [[48]] * (STEPS - 5)
     for r in range(2):
         assert close(oom[r]["weights"], ranks[r]["plain"]["weights"]) < 1e-5
     assert "rank 1, step 0: out of memory in the forward of a micro-batch of 32 samples; cap none -> 16" in \
@@ -150,11 +150,11 @@ def test_configured_per_worker_caps_hold(two_workers):
     assert ranks[1]["configured"]["cap"] == 16 and ranks[0]["configured"]["cap"] == 48
 
 
-LATE_STEPS = 30  # control_interval 5: meetings after steps 4, 9, 14...; no mid-interval checks below 6
+LATE_STEPS = 30  # control_interval 5: meetings after steps 4, 9, 14..., read a step later; no checks below 6
 # Per run: {step: (rank, kind, samples)}: from that step on, a forward of that rank above `samples` runs out of
 # memory, before DDP's forward ("pre", the library's emulation) or in the loss after it ("loss").
 LATE_FAULTS = {"plain": {}, "pre_forward": {5: (1, "pre", 20)}, "in_loss": {5: (1, "loss", 20)},
-               "sequence": {5: (1, "loss", 20), 10: (0, "loss", 40), 11: (1, "pre", 12)}}
+               "sequence": {5: (1, "loss", 20), 11: (0, "loss", 40), 12: (1, "pre", 12)}}
 
 
 def late_run(rank: int, faults: dict[int, tuple[int, str, int]]) -> dict:
@@ -204,5 +204,5 @@ def test_an_error_after_the_first_bucket_rebuild_keeps_ddp_in_step(late_errors, 
 
 def test_the_sequence_failed_where_it_was_meant_to(late_errors):
     said = late_errors[0]["stderr"] + late_errors[1]["stderr"]
-    assert "rank 0, step 10: out of memory in the forward of a micro-batch of 48 samples; cap none -> 24" in said
-    assert "rank 1, step 11: out of memory in the forward of a micro-batch of 16 samples; cap 16 -> 8" in said
+    assert "rank 0, step 11: out of memory in the forward of a micro-batch of 48 samples; cap none -> 24" in said
+    assert "rank 1, step 12: out of memory in the forward of a micro-batch of 16 samples; cap 16 -> 8" in said

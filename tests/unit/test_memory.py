@@ -163,6 +163,23 @@ class StandInDDP(nn.Linear):
         self.resets += 1
 
 
+def test_a_reset_pending_after_the_meeting_started_waits_for_the_next_meeting():
+    """A meeting is read a step after it starts: a lone reset of that step was not in its rows, so every rank
+    cannot have reset with it; it stays pending and the next meeting carries it."""
+    failed = Failure(8, "forward", True, "")
+    ddp, resets = StandInDDP(), ReducerResets()
+    resets.watch(ddp)
+    assert resets.report() is False  # the meeting starts: nothing pending
+    ddp(torch.ones(1, 2))  # the next step's syncing forward, then an out-of-memory error
+    resets.after(failed)
+    assert resets.pending and ddp.resets == 1
+    resets.met(False)  # the meeting is read: no rank had a reset when it started
+    assert resets.pending and ddp.resets == 1
+    assert resets.report() is True  # the next meeting carries it
+    resets.met(True)
+    assert not resets.pending and ddp.resets == 2
+
+
 def test_reducer_resets_keep_ddps_bucket_rebuild_collective():
     failed = Failure(8, "forward", True, "")
     ddp, peer, resets, peers = StandInDDP(), StandInDDP(), ReducerResets(), ReducerResets()
@@ -181,7 +198,7 @@ def test_reducer_resets_keep_ddps_bucket_rebuild_collective():
     resets.step_done(), peers.step_done()  # after every step's backward until the meeting: this rank alone
     resets.step_done()
     assert (ddp.resets, peer.resets) == (3, 0)
-    flags = [resets.pending, peers.pending]  # the meeting's rows
+    flags = [resets.report(), peers.report()]  # the meeting's rows (read a step later)
     resets.met(any(flags)), peers.met(any(flags))
     assert (ddp.resets, peer.resets) == (4, 1) and not resets.pending and not peer._has_rebuilt_buckets
     ddp(torch.ones(1, 2))  # between the collective reset and the rebuild: a reset, but every rank still rebuilds

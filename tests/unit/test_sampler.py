@@ -193,6 +193,26 @@ def test_schedule_refuses_read_step_and_non_increasing_changes():
     assert [sch.at(s) for s in (5, 6, 8, 9, 100)] == [(4, 4), (2, 6), (2, 6), (3, 5), (3, 5)]
 
 
+def test_a_hold_decides_before_any_plan_past_its_limit_is_read():
+    """A meeting is read a step after it starts; a loop that samples further ahead meanwhile (a new epoch's
+    prefetch) makes the pending decision land first, so the change is in force for the step it now reads."""
+    sch, ran = BatchSchedule((4, 4)), []
+
+    def decide():
+        ran.append(sch.last_read)
+        sch.change(7, (2, 6))
+
+    assert sch.at(5) == (4, 4)
+    sch.hold(6, decide)
+    assert sch.at(6) == (4, 4) and ran == []  # within the limit: no wait
+    assert sch.at(7) == (2, 6) and ran == [6]  # past it: decided first, the change in force
+    assert sch.at(8) == (2, 6) and ran == [6]  # once
+    sch.hold(9, decide)
+    sch.hold(None)  # read at the step (or dropped at release): nothing runs later
+    sch.at(20)
+    assert ran == [6]
+
+
 @SETTINGS
 @given(st.lists(st.integers(1, 5), min_size=0, max_size=10), st.integers(0, 80))
 def test_schedule_at_matches_reference(gaps, probe):

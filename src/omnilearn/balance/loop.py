@@ -29,7 +29,7 @@ How it decides (figures from ``python -m omnilearn.experiments.simulate.churn``)
   3x slowdown after 400 steady pushes shows at the next decision, not
   hundreds of pushes later. :meth:`ControlLoop.shifted` runs the same test on
   a window without recording it: BSP checks a few steps into an interval and
-  decides early when a shift is clear (:func:`omnilearn.bsp.interval.check_window`).
+  decides early when a shift is clear (:class:`omnilearn.bsp.steppers.IntervalEnds`).
 - **Caps and the measured step** (:mod:`omnilearn.balance.guards`): a plan
   above a worker's cap (configured, reported after an out-of-memory error, or
   learned when its throughput fell after its batch grew) is re-planned at

@@ -18,12 +18,16 @@ unrelated collectives. A rank whose plan differs from rank 0's (it would
 read slices that overlap or leave gaps) makes every rank raise an error
 naming it, at the first window meeting after the plans parted.
 
+:class:`Meeting` starts the all-gather and :meth:`Meeting.table` reads it:
+the session reads a window's meeting one step later
+(:class:`~omnilearn.bsp.steppers.IntervalEnds`).
+
 At a control interval the row carries this rank's
 :func:`~omnilearn.balance.loop.window_row` (its ``compute_s`` at its current
 planned batch), so the same all-gather (``n x 12`` numbers, whatever the
 interval's length) feeds the :class:`~omnilearn.balance.loop.ControlLoop` on
 every rank and all reach the same decision. Between interval ends, every
-:func:`check_every` steps (a third of the interval) :func:`check_window` gathers the same row for the
+:func:`check_every` steps (a third of the interval) :func:`window_meeting` gathers the same row for the
 steps since the last check: if the loop sees a clear speed shift in it
 (:meth:`~omnilearn.balance.loop.ControlLoop.shifted`), it decides there and
 then instead of waiting for the interval's end. A change lands at the loop's
@@ -48,13 +52,11 @@ import json
 import zlib
 from typing import Sequence
 
-from omnilearn.balance.controllers import Decision
 from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop
 from omnilearn.config import BalanceConfig, ConfigError, shared_settings
 from omnilearn.data.schedule import BatchSchedule
-from omnilearn.decisions import (CHECK, INTERVAL, SYNC_BUFFERS, check, feed, plan_checksum, plans_differ, reset_asked,
-                                  stop_asked, summarise, table_row)
-from omnilearn.distributed.collect import all_gather_row, disagreements
+from omnilearn.decisions import CHECK, INTERVAL, SYNC_BUFFERS, plan_checksum, plans_differ, summarise, table_row
+from omnilearn.distributed.collect import RowGathering, all_gather_row, disagreements
 from omnilearn.distributed.group import DistContext
 
 POINTS = {INTERVAL: "the end of a control interval", SYNC_BUFFERS: "sync_buffers() (or finish())",
@@ -94,6 +96,49 @@ def agree_on_data(ctx: DistContext, size: int, prefetch_batches: int, what: str 
     return max(int(row[1]) for row in table)
 
 
+class Meeting:
+    """One meeting's all-gather, started now; :meth:`table` waits for it and checks that every rank came to the
+    same point with the same plan (else raises on every rank, see :func:`meet`)."""
+
+    def __init__(self, ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
+                 window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
+                 step_s: float = 0.0, reset: bool = False, plan: int = 0) -> None:
+        self.ctx, self.kind, self.steps_done = ctx, kind, steps_done
+        row = table_row(kind, steps_done, last_read, window, stop, cap, step_s, reset, plan)
+        try:
+            self.gathering = RowGathering(ctx, row)
+        except RuntimeError as e:
+            raise self._absent(e) from e
+
+    def _absent(self, e: Exception) -> RuntimeError:
+        said = str(e).splitlines()[0][:200]
+        return RuntimeError(f"rank {self.ctx.rank} waited at {POINTS.get(self.kind, self.kind)} after "
+                            f"{self.steps_done} steps and the other ranks did not come: call step(), sync_buffers() "
+                            f"and finish() on every rank at the same points of the loop ({said})")
+
+    def table(self) -> list[list[float]]:
+        try:
+            table = self.gathering.wait()
+        except RuntimeError as e:
+            raise self._absent(e) from e
+        kind, steps_done = self.kind, self.steps_done
+        where = [(int(row[0]), int(row[1])) for row in table]
+        if len(set(where)) > 1:
+            groups: dict[tuple[int, int], list[int]] = {}
+            for rank, w in enumerate(where):
+                groups.setdefault(w, []).append(rank)
+            said = "; ".join(f"ranks {ranks} at {POINTS.get(k, k)} after {s} steps" for (k, s), ranks in groups.items())
+            raise RuntimeError(f"ranks are out of step: {said}. Call step(), sync_buffers() and finish() on every rank "
+                               "at the same points of the loop")
+        differ = plans_differ(table)
+        if differ:
+            raise RuntimeError(f"ranks {differ} hold a batch plan other than rank 0's at {POINTS.get(kind, kind)} "
+                               f"after {steps_done} steps (their slices of the global batch would overlap or leave "
+                               "gaps): start every rank with the same settings, data and checkpoint, and change plans "
+                               "only through the session")
+        return table
+
+
 def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
          window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
          step_s: float = 0.0, reset: bool = False, plan: int = 0) -> list[list[float]]:
@@ -103,53 +148,13 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
     step's gradient sync instead) leaves this rank waiting until the process
     group's timeout; the error then says so.
     """
-    try:
-        table = all_gather_row(ctx, table_row(kind, steps_done, last_read, window, stop, cap, step_s, reset, plan))
-    except RuntimeError as e:
-        raise RuntimeError(f"rank {ctx.rank} waited at {POINTS.get(kind, kind)} after {steps_done} steps and the "
-                           f"other ranks did not come: call step(), sync_buffers() and finish() on every rank at the "
-                           f"same points of the loop ({str(e).splitlines()[0][:200]})") from e
-    where = [(int(row[0]), int(row[1])) for row in table]
-    if len(set(where)) > 1:
-        groups: dict[tuple[int, int], list[int]] = {}
-        for rank, w in enumerate(where):
-            groups.setdefault(w, []).append(rank)
-        said = "; ".join(f"ranks {ranks} at {POINTS.get(k, k)} after {s} steps" for (k, s), ranks in groups.items())
-        raise RuntimeError(f"ranks are out of step: {said}. Call step(), sync_buffers() and finish() on every rank "
-                           "at the same points of the loop")
-    differ = plans_differ(table)
-    if differ:
-        raise RuntimeError(f"ranks {differ} hold a batch plan other than rank 0's at {POINTS.get(kind, kind)} after "
-                           f"{steps_done} steps (their slices of the global batch would overlap or leave gaps): start "
-                           "every rank with the same settings, data and checkpoint, and change plans only through "
-                           "the session")
-    return table
+    return Meeting(ctx, kind, steps_done, last_read, window, stop, cap, step_s, reset, plan).table()
 
 
-def end_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
-               rows: list[list[float]], stop: bool = False, cap: int | None = None,
-               reset: bool = False) -> tuple[Decision, bool, bool]:
-    """Feed this interval to the loop on every rank; register a change in ``schedule``. ``rows``: this rank's.
-
-    Also: whether any rank asked to stop (``stop`` is this rank's wish) and
-    whether any rank has a reducer reset pending (``reset``: this rank's).
-    ``cap``: this rank's batch cap.
-    """
+def window_meeting(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, kind: int, step: int,
+                   steps_done: int, rows: list[list[float]], stop: bool = False, cap: int | None = None,
+                   reset: bool = False) -> Meeting:
+    """Start the meeting of a window that ended at ``step`` (``kind``: INTERVAL or CHECK); ``rows``: this rank's."""
     mine, step_s = summarise(loop, ctx.rank, rows)
-    table = meet(ctx, INTERVAL, steps_done, schedule.last_read, mine, stop, cap, step_s, reset,
-                 plan_checksum(schedule, step, loop.lag))
-    return feed(loop, schedule, step, table), stop_asked(table), reset_asked(table)
-
-
-def check_window(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, step: int, steps_done: int,
-                 rows: list[list[float]], cap: int | None = None, reset: bool = False) -> tuple[Decision | None, bool]:
-    """A mid-interval check on the steps since the last one: a decision if some worker's speed clearly shifted.
-
-    ``None`` when no rank's window shifted (nothing recorded: the interval's
-    end sees these steps again in its whole window); and whether any rank has
-    a reducer reset pending (``reset``: this rank's).
-    """
-    mine, step_s = summarise(loop, ctx.rank, rows)
-    table = meet(ctx, CHECK, steps_done, schedule.last_read, mine, False, cap, step_s, reset,
-                 plan_checksum(schedule, step, loop.lag))
-    return check(loop, schedule, step, table), reset_asked(table)
+    return Meeting(ctx, kind, steps_done, schedule.last_read, mine, stop, cap, step_s, reset,
+                   plan_checksum(schedule, step, loop.lag))

@@ -295,6 +295,7 @@ class ReducerResets:
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self.announced = self.pending = False
+        self.fresh = False  # pending since the last meeting's report: left for the next meeting
 
     def watch(self, model: nn.Module | None) -> None:
         """Follow ``model``'s forwards (once per model; nothing for a model without DDP's reducer)."""
@@ -313,7 +314,9 @@ class ReducerResets:
     def after(self, failure: Failure) -> None:
         """A failed attempt: forget its announced backward (its rank alone: pending when buckets were rebuilt)."""
         if failure.phase == "forward" and self.announced:
-            self.pending |= bool(getattr(self.model, "_has_rebuilt_buckets", False))
+            lone = bool(getattr(self.model, "_has_rebuilt_buckets", False))
+            self.pending |= lone
+            self.fresh |= lone
             self._reset()
         self.announced = False
 
@@ -322,11 +325,17 @@ class ReducerResets:
         if self.pending:
             self._reset()
 
+    def report(self) -> bool:
+        """What this rank tells a window meeting it starts: whether it has a reset pending."""
+        self.fresh = False
+        return self.pending
+
     def met(self, any_pending: bool) -> None:
-        """At a window meeting after a step: if any rank had a reset pending, every rank resets now."""
+        """The meeting was read: if any rank had a reset pending, every rank resets now. A reset that became
+        pending after the meeting started stays pending for the next one."""
         if any_pending and self.model is not None:
             self._reset()
-        self.pending = False
+        self.pending = self.fresh
 
     def _reset(self) -> None:
         self.model.reducer._reset_state()  # no public equivalent

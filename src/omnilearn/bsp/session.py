@@ -64,7 +64,8 @@ model and optimizer (a ``Stateful`` for ``torch.distributed.checkpoint``);
 one file (:mod:`omnilearn.bsp.checkpointing`), and a checkpoint of one
 worker count resumes at another. SIGTERM/SIGINT (:mod:`omnilearn.stopping`)
 are agreed on at the next interval end: ``should_stop`` turns true on every
-rank at the same step. ``omnilearn train`` uses this class.
+rank at the same step (the step after it: meetings are read a step later,
+:mod:`omnilearn.bsp.steppers`). ``omnilearn train`` uses this class.
 
 Why one file over 300 lines: ``Session`` is the runtime's public surface (every method a user calls, with its
 docstring); the mechanics live in interval, steppers, micro, memory, wrap, sharded and checkpointing.
@@ -332,6 +333,7 @@ class Session(MemorySteps, IntervalEnds):
         step = self.ledger.report(batch, float("nan") if logged is None else logged, float("nan") if lr is None else lr)
         self.sampler.complete(step)
         self.steps_done, self.next_step = self.steps_done + 1, step + 1
+        self._read_meeting()  # the previous step's meeting, if it had one (its collective is done by now)
         size = self.ledger.window_size()
         if size == self.cfg.control_interval or step + 1 == self.run.total_steps:
             self._end_interval(step)
@@ -352,6 +354,7 @@ class Session(MemorySteps, IntervalEnds):
         that never comes (waiting in a training step) leaves this one waiting
         until the process group's timeout, then it raises saying so.
         """
+        self._read_meeting()
         if self.model is None or not self.ctx.grouped:
             return
         meet(self.ctx, SYNC_BUFFERS, self.steps_done)
@@ -379,9 +382,10 @@ class Session(MemorySteps, IntervalEnds):
     def finish(self) -> dict | None:
         """Flush the last interval, equalise buffers, write the summary (rank 0's dict; None elsewhere)."""
         try:
+            self._read_meeting()
             if self.ledger.window_size():
                 self._end_interval(self.ledger.last_reported)
-            self.sync_buffers()
+            self.sync_buffers()  # reads the last interval's meeting first
             # a sharded model's model.pt holds its full tensors: gathered by every rank, kept by rank 0
             full = sharded.full_state(self.model) if sharded.is_sharded(self.model) and self.cfg.out else None
             if self.rank_rows is not None:  # every rank's sums for the summary's per-worker means
@@ -402,6 +406,7 @@ class Session(MemorySteps, IntervalEnds):
         Rank-specific parts (random streams, this interval's rows; on rank 0
         the record's counters) sit under ``rank<r>``.
         """
+        self._read_meeting()  # every rank calls it at the same point
         return checkpointing.session_state(self)
 
     def load_state_dict(self, state: dict) -> None:
@@ -411,6 +416,7 @@ class Session(MemorySteps, IntervalEnds):
         training time carry on and the split is re-planned for the new workers
         (:func:`omnilearn.bsp.checkpointing.load_session_state`).
         """
+        self._read_meeting()
         checkpointing.load_session_state(self, state)
         caps = getattr(self.loop, "caps", None)
         if caps is not None and self.resumed_from is not None and self.resumed_from[1] == self.world_size:
@@ -441,6 +447,7 @@ class Session(MemorySteps, IntervalEnds):
         anything is written.
         """
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        self._read_meeting()  # the checkpoint holds its outcome, whenever a run without it would read it
         with self.paused():
             if sharded.is_sharded(model):  # FSDP2: shards through DCP first, then the commit mark
                 return checkpointing.save_with_shards(self, directory, objects, keep=keep, extra=extra)
@@ -467,6 +474,8 @@ class Session(MemorySteps, IntervalEnds):
     def release(self) -> None:
         """Give back OS throttles and end the loader's worker processes (idempotent); never hides the run's own
         outcome. ``finish()`` and ``close()`` call it; a loop left early calls it to let go at once."""
+        self.meeting = None  # a meeting in flight is not read: the peers may be gone
+        self.schedule.hold(None)
         self.emulation.release()
         if self.loader is not None:
             self.loader.shutdown()

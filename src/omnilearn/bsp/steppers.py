@@ -13,15 +13,37 @@ attributes: ``cfg``, ``ctx``, ``loop``, ``schedule``, ``ledger``, ``micro``,
   reset and, if any rank has one, make every rank reset DDP's reducer after
   the same step (:class:`~omnilearn.bsp.memory.ReducerResets`).
 
+A meeting is read one step later. At the meeting's step ``s`` every rank
+starts the all-gather of its row and trains on; the table is read at the
+next ``step()`` (``s + 1``, when step ``s + 1``'s gradient all-reduce, issued
+after it on every rank, has already finished), or earlier where every rank
+passes the same point: ``sync_buffers()``, ``save_checkpoint()``,
+``state_dict()``, ``load_state_dict()``, ``finish()``. So the collective
+overlaps a step's compute instead of stopping every rank, which was the whole
+of OmniLearn's cost over plain DDP with nothing to balance (docs/results.md).
+Whenever it is read, it is read as at step ``s + 1``: a decision lands from
+``s + 2 + lag`` on, and after every step any rank had sampled at the meeting
+plus one; a loop that samples further ahead before the read (a fetch-ahead
+that deepens, a new epoch's prefetch) makes its rank wait for the table and
+decide first (:meth:`~omnilearn.data.schedule.BatchSchedule.hold`): every
+rank reaches the same decision whenever it decides, and no change lands on a
+sampled step. The rest (a stop, a reducer reset, the window's records and
+reductions) applies at the read, on every rank alike, and a check's window
+holds the steps through ``s``. A peer that never came raises there (one step
+after the meeting's step); one at another point or with another plan too.
+
 Run: ``python -m pytest -q tests/unit/test_memory.py tests/dist/test_oom.py tests/dist/test_api.py``
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 from omnilearn.bsp import memory, sharded
-from omnilearn.bsp.interval import check_window, end_window
+from omnilearn.balance.controllers import Decision
+from omnilearn.bsp.interval import Meeting, window_meeting
+from omnilearn.decisions import CHECK, INTERVAL, check, feed, reset_asked, stop_asked
 from omnilearn.distributed.collect import reduce_to_main
 from omnilearn.observe.rankrows import Totals, partials
 from omnilearn.stopping import stop_requested
@@ -93,25 +115,74 @@ class MemorySteps:
             print(f"omnilearn: {said}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class WindowRead:
+    """A meeting started at ``step``: its kind, the window's rows (INTERVAL) or the rows so far (CHECK: only their
+    count is used), and once read, its table and decision."""
+
+    meeting: Meeting
+    kind: int
+    step: int
+    rows: list[list[float]]
+    read: tuple[list[list[float]], Decision | None] | None = None
+
+
 class IntervalEnds:
-    """Window ends: at the interval's end, or at a check that sees a speed shift."""
+    """Window ends: at the interval's end, or at a check that sees a speed shift (see the module docstring)."""
+
+    meeting: WindowRead | None = None
 
     def _end_interval(self, step: int) -> None:
         rows = self.ledger.take_rows()
-        decision, stop, reset = end_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows,
-                                           stop_requested(), cap=self.memory.reported(), reset=self.resets.pending)
-        self.resets.met(reset)
-        self.should_stop = self.should_stop or stop
-        self._close_window(step, decision, rows)
+        meeting = window_meeting(self.ctx, self.loop, self.schedule, INTERVAL, step, self.steps_done, rows,
+                                 stop_requested(), cap=self.memory.reported(), reset=self.resets.report())
+        self._started(WindowRead(meeting, INTERVAL, step, rows))
 
     def _check(self, step: int) -> None:
-        """A look at the steps since the last check: the loop decides now if some worker's speed clearly shifted."""
-        rows = self.ledger.rows()[-self.check_every:]
-        decision, reset = check_window(self.ctx, self.loop, self.schedule, step, self.steps_done, rows,
-                                       cap=self.memory.reported(), reset=self.resets.pending)
-        self.resets.met(reset)
-        if decision is not None:  # recorded: the window ends here
-            self._close_window(step, decision, self.ledger.take_rows())
+        """A look at the steps since the last check: the loop decides if some worker's speed clearly shifted."""
+        rows = self.ledger.rows()
+        meeting = window_meeting(self.ctx, self.loop, self.schedule, CHECK, step, self.steps_done,
+                                 rows[-self.check_every:], cap=self.memory.reported(), reset=self.resets.report())
+        self._started(WindowRead(meeting, CHECK, step, rows[:]))
+
+    def _started(self, read: WindowRead) -> None:
+        self.meeting = read
+        # by the read, a rank has sampled at most one step more than its row says, unless its loop samples further
+        # ahead meanwhile: then it decides first (the schedule's hold), so no change can land on a sampled step
+        self.schedule.hold(self.schedule.last_read + 1, self._decide)
+
+    def _decide(self) -> None:
+        """Wait for the meeting in flight and decide, as at the step after its own: on every rank the same
+        decision whenever it runs (local: no collective). Its outcome applies at :meth:`_read_meeting`."""
+        read = self.meeting
+        if read is None or read.read is not None:
+            return
+        self.schedule.hold(None)
+        try:
+            table = read.meeting.table()
+        except RuntimeError:
+            self.meeting = None
+            raise
+        at = read.step + 1  # a change lands from at + 1 + lag on, after every step any rank can have sampled
+        decision = feed(self.loop, self.schedule, at, table, read_ahead=1) if read.kind == INTERVAL else \
+            check(self.loop, self.schedule, at, table, read_ahead=1)
+        read.read = (table, decision)
+
+    def _read_meeting(self) -> None:
+        """The meeting in flight, decided and applied: at the next ``step()``, or where every rank flushes it."""
+        read = self.meeting
+        if read is None:
+            return
+        self._decide()
+        self.meeting = None
+        table, decision = read.read
+        at = read.step + 1
+        self.resets.met(reset_asked(table))
+        if read.kind == INTERVAL:
+            self.should_stop = self.should_stop or stop_asked(table)
+            self._close_window(at, decision, read.rows)
+        elif decision is not None:  # recorded: the window ends with the steps the check saw
+            self._close_window(at, decision, self.ledger.take_first(len(read.rows)))
 
     def _close_window(self, step: int, decision, rows: list[list[float]]) -> None:
         """After a decision: caps seen, the window's rows to this rank's file, their totals to rank 0, buffers

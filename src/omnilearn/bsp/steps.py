@@ -96,3 +96,10 @@ class StepLedger:
         """This interval's rows, and a fresh interval."""
         rows, self.resolved = self.rows(), []
         return rows
+
+    def take_first(self, count: int) -> list[list[float]]:
+        """The first ``count`` rows (resolved already, by :meth:`rows`), and an interval of the rest."""
+        if count > len(self.resolved):
+            raise RuntimeError(f"step ledger: {count} rows asked for, {len(self.resolved)} resolved")
+        rows, self.resolved = self.resolved[:count], self.resolved[count:]
+        return rows

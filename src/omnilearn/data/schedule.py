@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -74,6 +74,7 @@ class BatchSchedule:
         self.starts: list[int] = [0]
         self.plans: list[tuple[int, ...]] = [tuple(int(b) for b in initial)]
         self.last_read = -1  # the latest step whose plan was handed out (transient: not in the state)
+        self._hold: tuple[int, Callable[[], None]] | None = None  # (limit, what to run before reading past it)
 
     @property
     def initial(self) -> tuple[int, ...]:
@@ -81,8 +82,16 @@ class BatchSchedule:
 
     def at(self, step: int) -> tuple[int, ...]:
         """The plan for ``step``, which from now on may not change."""
+        if self._hold is not None and step > self._hold[0]:
+            run, self._hold = self._hold[1], None
+            run()  # a decision pending for a later step: registered before this plan is read
         self.last_read = max(self.last_read, step)
         return self.peek(step)
+
+    def hold(self, limit: int | None, before: Callable[[], None] | None = None) -> None:
+        """Run ``before()`` once, before any plan past step ``limit`` is read (None: no hold). The session's
+        meetings are read a step later; a loop that samples further ahead meanwhile reads the pending one first."""
+        self._hold = None if limit is None or before is None else (int(limit), before)
 
     def peek(self, step: int) -> tuple[int, ...]:
         """The plan for ``step`` as registered so far (a later change may still replace it)."""

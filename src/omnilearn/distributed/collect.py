@@ -1,7 +1,8 @@
 """Small collectives the session needs besides DDP's gradient all-reduce.
 
 Per control interval: one :func:`all_gather_row` of a few numbers per rank
-(every rank runs the same control loop on the same table), and
+(every rank runs the same control loop on the same table; :class:`RowGathering`
+starts it and reads it later, so a meeting overlaps the next step), and
 :func:`reduce_to_main`, two reductions that bring the window's per-step totals
 to rank 0 only (the recorder's): rank 0 receives ``O(steps)`` numbers, not
 every rank's rows. :func:`gather_to_main` brings one small table per rank to
@@ -31,15 +32,30 @@ CHUNK_BYTES = 16 * 2**20  # one piece of a broadcast_chunks
 _GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class RowGathering:
+    """An all-gather of one row per rank in flight; :meth:`wait` gives every rank's row, in rank order."""
+
+    def __init__(self, ctx: DistContext, row: Sequence[float], group=None) -> None:
+        self.rows = [[float(v) for v in row]]  # one process alone: its own row, at once
+        self.work = None
+        if ctx.grouped:
+            mine = torch.tensor(self.rows[0], dtype=torch.float64, device=ctx.device)
+            world = dist.get_world_size(group)
+            self.out = torch.empty(world * len(mine), dtype=torch.float64, device=ctx.device)  # flat: gloo's need
+            self.shape = (world, len(mine))
+            self.work = _GATHER_INTO(self.out, mine, group=group, async_op=True)  # one buffer: no stack
+
+    def wait(self) -> list[list[float]]:
+        if self.work is not None:
+            work, self.work = self.work, None
+            work.wait()
+            self.rows = self.out.view(self.shape).cpu().tolist()
+        return self.rows
+
+
 def all_gather_row(ctx: DistContext, row: Sequence[float], group=None) -> list[list[float]]:
     """Every rank's ``row`` (same length everywhere), in rank order."""
-    if not ctx.grouped:
-        return [[float(v) for v in row]]
-    mine = torch.tensor([float(v) for v in row], dtype=torch.float64, device=ctx.device)
-    world = dist.get_world_size(group)
-    out = torch.empty(world * len(mine), dtype=torch.float64, device=ctx.device)  # flat: gloo wants it so
-    _GATHER_INTO(out, mine, group=group)  # one output buffer: no per-rank tensors, no stack
-    return out.view(world, len(mine)).cpu().tolist()
+    return RowGathering(ctx, row, group).wait()
 
 
 def gather_to_main(ctx: DistContext, rows: list[list[float]], width: int) -> list[list[list[float]]] | None:

@@ -284,11 +284,12 @@ class TFSession:
             raise RuntimeError(f"workers are out of step at step {step}: {sorted(where)} (kind, steps done); call "
                                "step() on every worker for every batch the loader hands out")
         head = table[:, : HEADER + WINDOW_FIELDS].tolist()
+        at = step + 1  # decided as PyTorch's session decides (it reads a meeting a step later): the same decisions
         if kind == INTERVAL:
-            decision = feed(self.loop, self.schedule, step, head)
+            decision = feed(self.loop, self.schedule, at, head, read_ahead=1)
             self.should_stop = self.should_stop or stop_asked(head)
         else:
-            decision = check(self.loop, self.schedule, step, head)
+            decision = check(self.loop, self.schedule, at, head, read_ahead=1)
             if decision is None:
                 return
         self.rows = []
@@ -297,7 +298,7 @@ class TFSession:
             rows = [np.asarray(r[start : start + int(r[start - 1]) * fields]).reshape(-1, fields).tolist()
                     for r in table]
             effective = decision.effective_step
-            self.telemetry.interval(rows, decision, step + 1 + self.run.lag if effective is None else effective)
+            self.telemetry.interval(rows, decision, at + 1 + self.run.lag if effective is None else effective)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> tuple[float, float | None]:
         """Mean loss and accuracy (classifiers: integer labels, one score per class) of the model on ``(x, y)``.
