@@ -3,9 +3,14 @@
 - Loader settings that differ per node: rank 0 reads in the main process,
   rank 1 with a worker process that prefetches 2 batches. Both plan with
   the deeper prefetch (lag 2), so with scripted timings that call for a
-  change at the first interval end (step 5 of 8) both hold it ("would start
-  at step 8 >= total steps 8") and end with the same schedule and loop plan
-  (before: rank 0, with lag 0, registered the change and rank 1 did not).
+  change at the first interval end (step 5 of 8, read at step 6) both hold
+  it ("would start at step 9 >= total steps 8") and end with the same
+  schedule and loop plan (before: rank 0, with lag 0, registered the change
+  and rank 1 did not).
+- A loop that fetches deeper ahead right after a meeting started (rank 1
+  takes three more batches after step 5): it reads the pending meeting
+  before sampling past its promise, so the change lands at step 7 on both
+  ranks, on no step already sampled, and every step's slices agree.
 - Datasets of different lengths: refused on every rank, naming the sizes
   and the ranks.
 - A plan changed behind the session's back on rank 1 (a pending change in
@@ -54,6 +59,27 @@ def different_loaders(rank: int, out: str) -> dict:
     return {"lag": ol.loop.lag, "schedule": ol.schedule.state_dict(), "plan": list(ol.loop.batches)}
 
 
+def deepening_fetch(rank: int) -> dict:
+    """24 steps, control interval 6; after step 5 (an interval's end: its meeting is in flight) rank 1 fetches
+    three more batches at once, sampling steps 7 to 9 before the meeting is read."""
+    os.environ[SCRIPTED_ENV] = "0.001,0.003"  # rank 1 three times slower: a change at the first interval end
+    ol = omnilearn.setup(global_batch=B, control_interval=6, total_steps=24, deadband=0.01, device="cpu")
+    model = ol.wrap_model(nn.Linear(6, 3))
+    it = iter(ol.data_loader(PairData(32 * B)))  # one epoch holds the 24 steps
+    fetched, seen = [next(it)], []
+    for step in range(24):
+        x, y = fetched.pop(0)
+        seen.append(len(x))
+        F.cross_entropy(model(x), y).backward()
+        ol.step()
+        wanted = 4 if step == 5 and rank == 1 else 1  # three ahead at once, then one at a time again
+        while len(fetched) < wanted and ol.steps_done + len(fetched) < 24:
+            fetched.append(next(it))
+    ol.finish()
+    os.environ.pop(SCRIPTED_ENV)
+    return {"schedule": ol.schedule.state_dict(), "seen": seen}
+
+
 def different_lengths(rank: int) -> str:
     ol = omnilearn.setup(global_batch=B, device="cpu")
     ol.wrap_model(nn.Linear(6, 3))
@@ -91,7 +117,8 @@ def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=10))
-    result = {"loaders": different_loaders(rank, out), "lengths": different_lengths(rank),
+    result = {"loaders": different_loaders(rank, out), "deepening": deepening_fetch(rank),
+              "lengths": different_lengths(rank),
               "diverged": diverged_plan(rank), "zero": zero_counts()}
     torch.save(result, f"{out}/rank{rank}.pt")
     dist.barrier()
@@ -113,6 +140,18 @@ def test_ranks_with_different_loader_settings_plan_with_the_same_lag(ranks):
     first = next(e for e in events if e["event"] == "decision")
     assert first["step"] == 6 and not first["changed"]  # the interval's end (step 5), read a step later
     assert "would start at step 9 >= total steps 8" in first["reason"], first  # wanted, but too late for lag 2
+
+
+def test_a_loop_that_fetches_deeper_before_a_meeting_is_read_lands_the_change_on_no_sampled_step(ranks):
+    (a, b), _ = ranks
+    assert a["deepening"]["schedule"] == b["deepening"]["schedule"]
+    starts, plans = a["deepening"]["schedule"]["starts"], a["deepening"]["schedule"]["plans"]
+    # from step 7 (the interval ended at 5, read as at 6): rank 1 sampled 7 only after deciding (without the hold
+    # it sampled 7 to 9 on the old plan and the read at step 6 failed: "batch change for step 7 arrives after...")
+    assert starts[:2] == [0, 7] and plans[1][0] > plans[1][1]
+    for r, got in enumerate((a, b)):  # each rank trained on the planned slice of every step
+        planned = [plans[max(i for i, s in enumerate(starts) if s <= step)][r] for step in range(24)]
+        assert got["deepening"]["seen"] == planned
 
 
 def test_datasets_of_different_lengths_are_refused_on_every_rank(ranks):
