@@ -30,6 +30,7 @@ ranks and blocks), the wall per step of each loop and the ratio per pair of bloc
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -162,6 +163,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150, help="steps per block")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     args = ap.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        ap.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} GPUs here; use --device cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     torch.set_num_threads(1)
     cfg = TrainConfig(workers=dist.get_world_size(), global_batch=GLOBAL_BATCH, device=args.device)
