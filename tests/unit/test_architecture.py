@@ -199,6 +199,7 @@ def test_tensorflow_runtime_and_its_job_never_import_torch():
     tree = omnilearn_tree()  # a TensorFlow worker loads TensorFlow only: not torch too
     assert torch_paths(tree, "omnilearn.tf") == []
     assert torch_paths(tree, "omnilearn.experiments.train.tfjob") == []
+    assert torch_paths(tree, "omnilearn.experiments.launch.tfforks") == []  # the server the workers fork from
 
 
 def test_library_never_imports_the_harness():

@@ -103,15 +103,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"omnilearn: {workers} TensorFlow workers of {script}{' ' + ' '.join(args.args) if args.args else ''}; "
           f"run directory {out}", flush=True)
 
-    def attempt(resume: bool) -> None:
-        resume = resume and (out / "config.toml").is_file()  # a failure before worker 0's setup(): start afresh
-        tflaunch.supervise(workers, args.device, out, [sys.executable, str(script), *args.args],
-                           {LAUNCH_ENV: json.dumps({**given, "resume": resume})}, heartbeat_s=args.heartbeat_s)
+    command = [sys.executable, str(script), *args.args]
 
     def where() -> str:  # the launcher's own checkpoints, else whatever the script keeps (BackupAndRestore)
         return tflaunch.tf_checkpoint(out) if args.checkpoint_every else "the script's own checkpoints, if any"
 
-    restarts.with_restarts(attempt, out, args.max_restarts, args.resume, "tf-worker*.log", where)
+    with tflaunch.fork_server(workers, args.device, out, command) as server:
+        def attempt(resume: bool) -> None:
+            resume = resume and (out / "config.toml").is_file()  # a failure before worker 0's setup(): start afresh
+            tflaunch.supervise(workers, args.device, out, command, {LAUNCH_ENV: json.dumps({**given, "resume": resume})},
+                               heartbeat_s=args.heartbeat_s, server=server)
+
+        restarts.with_restarts(attempt, out, args.max_restarts, args.resume, "tf-worker*.log", where)
     return 0
 
 

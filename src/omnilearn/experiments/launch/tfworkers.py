@@ -4,27 +4,33 @@ Who does what. The launcher picks ``--workers`` free localhost ports and
 starts one process per worker (``python -m omnilearn.experiments.train.tfjob
 RUN_DIR``), each with its own ``TF_CONFIG`` (the cluster's addresses, its
 index): a ``MultiWorkerMirroredStrategy`` cluster over gRPC, as a
-TensorFlow user would start one on several machines. Worker 0's standard
-output is the run's console; every worker's standard error (TensorFlow's
-own messages, a traceback) goes to ``RUN_DIR/tf-worker<R>.log``.
+TensorFlow user would start one on several machines. The workers fork from
+one process per run that imported TensorFlow once
+(:mod:`omnilearn.experiments.launch.tfforks`; ``OMNILEARN_START_METHOD=spawn``:
+a fresh interpreter each). Worker 0's standard output is the run's console;
+every worker's standard error (TensorFlow's own messages, a traceback) goes
+to ``RUN_DIR/tf-worker<R>.log``.
 
 When a worker exits badly, or stops beating for ``--heartbeat-s`` (hung:
 :mod:`omnilearn.tf.liveness`), the others (waiting in a collective for it,
 which would end in the strategy's timeout) get SIGTERM, then SIGKILL after
 :data:`GRACE_S`, and :class:`~omnilearn.experiments.launch.supervise.WorkerFailed`
-names the first worker that failed with the last line of its log; with
-``--max-restarts K`` every worker starts again from the newest checkpoint,
-up to K times (:func:`omnilearn.experiments.train.restarts.with_restarts`). SIGINT
-or SIGTERM to the launcher stops every worker the same way
-(:class:`~omnilearn.experiments.launch.supervise.Interrupted`). Worker processes
-sit in their own process group and die with the launcher (parent-death signal).
+names the first worker that failed with the last line of its log (of
+workers seen failing together, one killed by a signal: its peers' errors
+follow from its death); with ``--max-restarts K`` every worker starts again
+from the newest checkpoint, up to K times
+(:func:`omnilearn.experiments.train.restarts.with_restarts`). SIGINT or
+SIGTERM to the launcher stops every worker the same way
+(:class:`~omnilearn.experiments.launch.supervise.Interrupted`). Worker
+processes sit in their own process group and die with the launcher
+(parent-death signal).
 
 Run: ``python -m pytest -q tests/tf/test_tf_train.py``
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import dataclasses
 import os
 import re
@@ -32,49 +38,75 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from omnilearn.config import dump_toml
+from omnilearn.config import ConfigError, dump_toml
 from omnilearn.experiments.config import TrainConfig
+from omnilearn.experiments.launch.supervise import (
+    START_METHOD_ENV,
+    Interrupted,
+    SignalTrap,
+    WorkerFailed,
+    signal_name,
+)
+from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent
 from omnilearn.experiments.train import restarts
 from omnilearn.experiments.train.tfjob import JOB_CONFIG_ENV
-from omnilearn.experiments.launch.supervise import Interrupted, SignalTrap, WorkerFailed, signal_name
 from omnilearn.observe.console import startup
 from omnilearn.tf import liveness
 from omnilearn.tf.cluster import LOCAL_WORKERS_ENV, free_ports, local_config
 from omnilearn.tf.liveness import BEAT_DIR_ENV
 
-
 GRACE_S = 3.0  # after SIGTERM: time to leave a collective, then SIGKILL
 POLL_S = 0.1
+SETTLE_S = 0.5  # after a worker's error, how long a peer's death by a signal may take to be seen (the cause)
 
 
 def log_path(run_dir: Path, rank: int) -> Path:
     return run_dir / f"tf-worker{rank}.log"
 
 
-def _die_with_parent() -> None:  # in the child, before exec: SIGKILL when the launcher goes (Linux)
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
+def common_env(workers: int, device: str) -> dict[str, str]:
+    """What every worker of a launch has in its environment (its ``TF_CONFIG`` aside)."""
+    env = {**os.environ, LOCAL_WORKERS_ENV: str(workers),
+           "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), "PYTHONUNBUFFERED": "1"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
-def start(workers: int, device: str, run_dir: Path, command: list[str],
-          extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """One process per worker running ``command``, each with its ``TF_CONFIG`` (and ``extra_env``)."""
+@contextlib.contextmanager
+def fork_server(workers: int, device: str, run_dir: Path, command: list[str]) -> Iterator[ForkServer | None]:
+    """The run's :class:`~omnilearn.experiments.launch.tfforks.ForkServer` (Linux, unless ``OMNILEARN_START_METHOD``
+    says ``spawn``), kept across restarts; ``None``: each worker is a fresh interpreter."""
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ConfigError(f"{START_METHOD_ENV}={method!r} is not a start method for the workers: use spawn or "
+                          "forkserver (the default), or unset it")
+    if method == "spawn" or not sys.platform.startswith("linux"):
+        yield None
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with ForkServer(common_env(workers, device), log_path(run_dir, 0), command) as server:
+        yield server
+
+
+def start(workers: int, device: str, run_dir: Path, command: list[str], extra_env: dict[str, str] | None = None,
+          server: ForkServer | None = None) -> list[subprocess.Popen | Forked]:
+    """One process per worker running ``command`` (forked by ``server``, else a fresh interpreter), each with its
+    ``TF_CONFIG`` (and ``extra_env``)."""
     ports = free_ports(workers)
-    procs = []
+    procs: list[subprocess.Popen | Forked] = []
     for rank in range(workers):
-        env = {**os.environ, "TF_CONFIG": local_config(ports, rank), LOCAL_WORKERS_ENV: str(workers),
-               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), "PYTHONUNBUFFERED": "1",
-               **(extra_env or {})}
-        if device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
+        env = {**common_env(workers, device), "TF_CONFIG": local_config(ports, rank), **(extra_env or {})}
+        if server is not None:
+            procs.append(server.start(rank, command[1:], env, log_path(run_dir, rank), console=rank == 0))
+            continue
         with open(log_path(run_dir, rank), "ab") as log:
             procs.append(subprocess.Popen(
                 command, env=env, stderr=log, stdout=None if rank == 0 else subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent))
+                start_new_session=True, preexec_fn=die_with_parent))
     return procs
 
 
@@ -110,13 +142,15 @@ def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
 def run_local(cfg: TrainConfig, run_dir: Path) -> None:
     """Run the workers of ``omnilearn train --framework tensorflow`` to the end, restarting them from the newest
     checkpoint after a failure up to ``--max-restarts`` times (:func:`~omnilearn.experiments.train.restarts.with_restarts`)."""
-    def attempt(resume: bool) -> None:
-        settings = dump_toml(dataclasses.replace(cfg, resume=resume))  # this attempt's: --workers may differ
-        supervise(cfg.workers, cfg.device, run_dir, [sys.executable, "-m", "omnilearn.experiments.train.tfjob",
-                  str(run_dir)], {JOB_CONFIG_ENV: settings}, quiet=cfg.quiet, heartbeat_s=cfg.heartbeat_s)
+    command = [sys.executable, "-m", "omnilearn.experiments.train.tfjob", str(run_dir)]
+    with fork_server(cfg.workers, cfg.device, run_dir, command) as server:
+        def attempt(resume: bool) -> None:
+            settings = dump_toml(dataclasses.replace(cfg, resume=resume))  # this attempt's: --workers may differ
+            supervise(cfg.workers, cfg.device, run_dir, command, {JOB_CONFIG_ENV: settings}, quiet=cfg.quiet,
+                      heartbeat_s=cfg.heartbeat_s, server=server)
 
-    restarts.with_restarts(attempt, run_dir, cfg.max_restarts, cfg.resume, "tf-worker*.log",
-                           lambda: tf_checkpoint(run_dir))
+        restarts.with_restarts(attempt, run_dir, cfg.max_restarts, cfg.resume, "tf-worker*.log",
+                               lambda: tf_checkpoint(run_dir))
 
 
 def tf_checkpoint(run_dir: Path) -> str:
@@ -126,27 +160,28 @@ def tf_checkpoint(run_dir: Path) -> str:
 
 
 def supervise(workers: int, device: str, run_dir: Path, command: list[str], extra_env: dict[str, str] | None = None,
-              quiet: bool = False, heartbeat_s: float | None = None) -> None:
+              quiet: bool = False, heartbeat_s: float | None = None, server: ForkServer | None = None) -> None:
     """Run ``command`` as ``workers`` TensorFlow workers to the end; raise WorkerFailed (or Interrupted) naming the
     cause: a worker that exits badly, or one silent for ``heartbeat_s`` (:func:`omnilearn.tf.liveness.silent`).
     Also the launcher of a user's own script (:mod:`omnilearn.experiments.launch.script`)."""
-    startup(f"starting {workers} TensorFlow worker processes (tf.distribute MultiWorkerMirroredStrategy; "
-            f"each imports TensorFlow: seconds); their logs: {log_path(run_dir, 0).name} ...", quiet)
+    how = ("forked from one process that imports TensorFlow once" if server is not None else
+           "each imports TensorFlow: seconds")
+    startup(f"starting {workers} TensorFlow worker processes (tf.distribute MultiWorkerMirroredStrategy; {how}); "
+            f"their logs: {log_path(run_dir, 0).name} ...", quiet)
     first: int | None = None  # the first worker seen ending badly (the others are stopped after it)
     for old in run_dir.glob(".beat-*"):
         old.unlink(missing_ok=True)
     env = {**(extra_env or {}), **({BEAT_DIR_ENV: str(run_dir)} if heartbeat_s else {})}
     with SignalTrap() as trap:
-        procs = start(workers, device, run_dir, command, env)
+        procs = start(workers, device, run_dir, command, env, server)
         try:
             while any(p.poll() is None for p in procs):
                 if trap.received:
                     stop(procs)
                     signum = trap.received[0]
                     raise Interrupted(signum, f"stopped by {signal_name(signum)}: every worker was stopped")
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if failed:
-                    first = failed[0]
+                if any(p.poll() not in (None, 0) for p in procs):
+                    first = _first_failed(procs)
                     break
                 running = [r for r, p in enumerate(procs) if p.poll() is None]
                 hung = liveness.silent(run_dir, running, heartbeat_s) if heartbeat_s else []
@@ -165,12 +200,24 @@ def supervise(workers: int, device: str, run_dir: Path, command: list[str], extr
     _outcome(procs, run_dir, first)
 
 
-def _outcome(procs: list[subprocess.Popen], run_dir: Path, first: int | None) -> None:
+def _first_failed(procs: list[subprocess.Popen | Forked]) -> int:
+    """The worker that failed first. Peers of a worker killed by a signal (none is the launcher's yet) fail in their
+    next collective, and one of them may exit before the dead one is reaped: a worker's error is only blamed once
+    :data:`SETTLE_S` has shown no signal death beside it."""
+    deadline = time.monotonic() + SETTLE_S
+    while (time.monotonic() < deadline and not any((p.poll() or 0) < 0 for p in procs)
+           and any(p.poll() is None for p in procs)):
+        time.sleep(POLL_S / 5)
+    failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+    return min(failed, key=lambda r: (procs[r].returncode >= 0, r))
+
+
+def _outcome(procs: list[subprocess.Popen | Forked], run_dir: Path, first: int | None) -> None:
     """Raise for the first worker that ended badly (a stop on request is Interrupted)."""
     codes = [p.returncode for p in procs]
     if all(c == 0 for c in codes):
         return
-    rank = first if first is not None else next(r for r, c in enumerate(codes) if c != 0)
+    rank = first if first is not None else _first_failed(procs)  # every worker ended before a poll saw one
     code, said = codes[rank], last_line(log_path(run_dir, rank))
     if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
         raise Interrupted(code - 128, f"worker {rank} stopped: {said}")
