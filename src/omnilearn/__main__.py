@@ -5,6 +5,6 @@ An entry point, not part of the library: it needs the ``[experiments]`` extra.
 
 import sys
 
-from omnilearn.experiments.cli import main
+from omnilearn.experiments.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

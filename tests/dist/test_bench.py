@@ -73,18 +73,18 @@ def test_bench_bad_arms_is_one_line(tmp_path, capsys, flags, match):
 
 def test_asp_bench_runs_three_arms_at_equal_time_and_writes_json_table_and_plots(tmp_path, capsys):
     out = tmp_path / "asp"
-    code = main(["bench", "--mode", "asp", "--quick", "--speeds", "HL8", "--time-budget-s", "3",
+    code = main(["bench", "--mode", "asp", "--quick", "--speeds", "HL8", "--time-budget-s", "2",
                  "--control-interval", "5", "--target-accuracy", "0.05", "--out", str(out)])
     assert code == 0
     bench = json.loads((out / "bench.json").read_text())
-    assert bench["train_mode"] == "asp" and bench["time_budget_s"] == 3.0 and bench["lr_schedule"] == "constant"
+    assert bench["train_mode"] == "asp" and bench["time_budget_s"] == 2.0 and bench["lr_schedule"] == "constant"
     assert bench["bsp_lr"] == 0.05 and bench["bsp_momentum"] == 0.9 and bench["lr"] == 0.05  # BSP vs ASP defaults
     by = {r["arm"]: r for r in bench["results"]}
     assert [(r["setting"], r["arm"], r["levels"]) for r in bench["results"]] == [
         ("HL8", "uniform", "asp"), ("HL8", "omnilearn", "asp"), ("HL8", "bsp", "bsp")]
     for arm in ("uniform", "omnilearn"):
         r = by[arm]
-        assert r["train_s"]["mean"] == pytest.approx(3.0, abs=0.5)
+        assert r["train_s"]["mean"] == pytest.approx(2.0, abs=0.5)
         assert r["max_staleness"] >= r["mean_staleness"] >= 0 and len(r["updates_per_s_per_worker"]) == 4
         assert [sum(row) for row in r["staleness_histogram"]] == pytest.approx(
             [u * r["train_s"]["mean"] for u in r["updates_per_s_per_worker"]], abs=1)

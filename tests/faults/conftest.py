@@ -13,9 +13,11 @@ Run: ``python -m pytest -q tests/faults``
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,8 +116,10 @@ def start_train(tmp_path) -> Callable[..., TrainRun]:
 
     def start(*flags: str) -> TrainRun:
         k = len(runs)
-        run_dir, tmpdir, logs = tmp_path / f"run{k}", tmp_path / f"tmp{k}", tmp_path / f"logs{k}"
-        tmpdir.mkdir()
+        run_dir, logs = tmp_path / f"run{k}", tmp_path / f"logs{k}"
+        # Short, under /tmp: the launcher's fork server puts its socket in TMPDIR, and a path too long for a unix
+        # socket (pytest-xdist's tmp_path is) would make it spawn every rank, which users do not get.
+        tmpdir = Path(tempfile.mkdtemp(prefix="olrun-"))
         logs.mkdir()
         env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONUNBUFFERED": "1"}
         with open(logs / "stdout.txt", "wb") as out, open(logs / "stderr.txt", "wb") as err:
@@ -133,3 +137,4 @@ def start_train(tmp_path) -> Callable[..., TrainRun]:
             except ProcessLookupError:
                 pass
         run.proc.wait()
+        shutil.rmtree(run.tmpdir, ignore_errors=True)

@@ -336,4 +336,4 @@ def test_pyproject_keeps_the_library_small():
     assert names(extras["hf"]) == ["accelerate", "transformers"]  # Trainer needs accelerate
     assert extras["tensorflow"] == ["tensorflow-cpu==2.21.0"]  # the release tests/tf runs on
     assert "omnilearn-hetero[experiments,lightning,hf,tensorflow]" in extras["test"]  # CI runs every example and TF
-    assert project["scripts"] == {"omnilearn": "omnilearn.experiments.cli:main"}
+    assert project["scripts"] == {"omnilearn": "omnilearn.experiments.cli:entry"}  # main(), then a quick exit

@@ -121,3 +121,28 @@ def test_a_server_that_cannot_import_fails_worker_0_with_its_error(tmp_path):
         worker = server.start(0, ["x.py"], dict(os.environ), log, True)
         assert worker.wait() == 1
     assert "ModuleNotFoundError: No module named 'no_such_module_here'" in log.read_text()
+
+
+class _Ended:
+    """A worker that ended with ``code`` (``None``: still running, until ``ends_with`` after ``after`` polls)."""
+
+    def __init__(self, code: int | None, ends_with: int | None = None, after: int = 0) -> None:
+        self.returncode, self._then, self._polls = code, ends_with, after
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._then is not None:
+            self._polls -= 1
+            if self._polls <= 0:
+                self.returncode = self._then
+        return self.returncode
+
+
+def test_the_launcher_blames_a_worker_killed_by_a_signal_over_the_peers_it_took_down():
+    from omnilearn.experiments.launch.tfworkers import first_failed
+
+    # seen together: worker 0's error (its collective with the dead worker failed) is a consequence
+    assert first_failed([_Ended(1), _Ended(-signal.SIGKILL), _Ended(1)]) == 1
+    # worker 0's error seen first; worker 2's death by SIGKILL is reaped a few polls later, within the settle time
+    assert first_failed([_Ended(1), _Ended(None), _Ended(None, ends_with=-signal.SIGKILL, after=3)]) == 2
+    # no death by a signal: the lowest rank that failed
+    assert first_failed([_Ended(0), _Ended(2), _Ended(1)]) == 1

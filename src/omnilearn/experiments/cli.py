@@ -18,6 +18,7 @@ ends with one ``omnilearn: error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import signal
 import sys
@@ -26,8 +27,7 @@ from typing import Sequence
 
 from omnilearn import __version__
 from omnilearn.experiments.config import (ASP_DEFAULTS, DEVICES, EMULATORS, FRAMEWORKS, LANGUAGE_MODEL_DEFAULTS, LR_SCHEDULES, MODES, OPTIMIZERS, ConfigError, TrainConfig)
-from omnilearn.experiments.datasets.core import DATASETS
-from omnilearn.experiments.zoo.models import MODELS
+from omnilearn.experiments.catalog import DATASETS, MODELS
 from omnilearn.experiments.bench import command as bench_command
 from omnilearn.experiments.launch import script as userlaunch
 from omnilearn.experiments.simulate import whatif
@@ -211,6 +211,17 @@ COMMANDS = {"train": train_command.train, "bench": bench_command.bench, "report"
 def missing_harness_modules() -> list[str]:
     """The harness's own dependencies that are not installed (looked up, not imported)."""
     return [m for m in HARNESS_MODULES if importlib.util.find_spec(m) is None]
+
+
+def entry() -> int:
+    """The console script and ``python -m omnilearn``: :func:`main`, then a quick exit. The command has closed what
+    it wrote; Python's last garbage collections at exit would go over every object torch (or TensorFlow) made, a
+    second of CPU, so the objects alive now are left out of them (``gc.freeze``): the process ends at once."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

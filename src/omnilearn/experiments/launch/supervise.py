@@ -167,7 +167,8 @@ class SignalTrap:
 
 START_METHOD_ENV = "OMNILEARN_START_METHOD"  # "spawn": a fresh interpreter per rank (the fork server's fallback)
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "omnilearn.experiments.launch.local",
-           "omnilearn.experiments.train.trainer", "omnilearn.experiments.train.asp")
+           "omnilearn.experiments.train.trainer", "omnilearn.experiments.train.asp",
+           "omnilearn.experiments.launch.quickexit")  # last: the server's exit skips the final collections
 
 
 def start_context():

@@ -181,7 +181,7 @@ def supervise(workers: int, device: str, run_dir: Path, command: list[str], extr
                     signum = trap.received[0]
                     raise Interrupted(signum, f"stopped by {signal_name(signum)}: every worker was stopped")
                 if any(p.poll() not in (None, 0) for p in procs):
-                    first = _first_failed(procs)
+                    first = first_failed(procs)
                     break
                 running = [r for r, p in enumerate(procs) if p.poll() is None]
                 hung = liveness.silent(run_dir, running, heartbeat_s) if heartbeat_s else []
@@ -200,7 +200,7 @@ def supervise(workers: int, device: str, run_dir: Path, command: list[str], extr
     _outcome(procs, run_dir, first)
 
 
-def _first_failed(procs: list[subprocess.Popen | Forked]) -> int:
+def first_failed(procs: list[subprocess.Popen | Forked]) -> int:
     """The worker that failed first. Peers of a worker killed by a signal (none is the launcher's yet) fail in their
     next collective, and one of them may exit before the dead one is reaped: a worker's error is only blamed once
     :data:`SETTLE_S` has shown no signal death beside it."""
@@ -217,7 +217,7 @@ def _outcome(procs: list[subprocess.Popen | Forked], run_dir: Path, first: int |
     codes = [p.returncode for p in procs]
     if all(c == 0 for c in codes):
         return
-    rank = first if first is not None else _first_failed(procs)  # every worker ended before a poll saw one
+    rank = first if first is not None else first_failed(procs)  # every worker ended before a poll saw one
     code, said = codes[rank], last_line(log_path(run_dir, rank))
     if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
         raise Interrupted(code - 128, f"worker {rank} stopped: {said}")
