@@ -28,23 +28,18 @@ import os
 import socket
 
 import pytest
+from needs import needs
 from ranks import start_ranks
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+import omnilearn
+from omnilearn.config import ConfigError
+from omnilearn.decisions import SCRIPTED_ENV
 
-from accelerate import Accelerator  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
-
-import omnilearn  # noqa: E402
-from omnilearn.config import ConfigError  # noqa: E402
-from omnilearn.decisions import SCRIPTED_ENV  # noqa: E402
-from omnilearn.integrations.hf import SESSION_FILE, OmniLearnTrainer  # noqa: E402
-
-pytestmark = pytest.mark.dist
+# transformers and accelerate are imported where they are used: every pytest-xdist worker collects this file
+pytestmark = [pytest.mark.dist, needs("transformers", "hf"), needs("accelerate", "hf")]
 
 STEPS, STOP, GLOBAL_BATCH = 7, 3, 24
 EXACT_F64 = 1e-12
@@ -68,14 +63,22 @@ class Padded(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
-class StopAt(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= STOP:
-            control.should_training_stop = True
-        return control
+def stop_at():
+    """A callback that stops training after step ``STOP``."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= STOP:
+                control.should_training_stop = True
+            return control
+
+    return StopAt()
 
 
 def model() -> GPT2LMHeadModel:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=13, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -90,18 +93,24 @@ def token_loss_f64(outputs, labels, num_items_in_batch):
 
 
 def trainer(out: str, stop: bool = False, f64_loss: bool = True, **arguments) -> OmniLearnTrainer:
+    from transformers import TrainingArguments
+
+    from omnilearn.integrations.hf import OmniLearnTrainer
+
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=8,
                              gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-2,
                              lr_scheduler_type="constant", save_strategy="steps" if stop else "no", save_steps=STOP,
                              report_to=[], use_cpu=True, disable_tqdm=True, seed=0, **arguments)
     return OmniLearnTrainer(model=model(), args=args, train_dataset=Padded(), eval_dataset=Padded(40, seed=4),
-                            callbacks=[StopAt()] if stop else None,
+                            callbacks=[stop_at()] if stop else None,
                             compute_loss_func=token_loss_f64 if f64_loss else None,
                             omnilearn=dict(global_batch=GLOBAL_BATCH, control_interval=3, min_batch=2))
 
 
 def accelerate_loop() -> dict[str, torch.Tensor]:
     """A custom ``accelerate`` loop with OmniLearn's lines, as docs/huggingface.md shows them (same run as above)."""
+    from accelerate import Accelerator
+
     accelerator = Accelerator(cpu=True)  # makes (or finds) the process group, as before
     ol = omnilearn.setup(global_batch=GLOBAL_BATCH, accumulation_steps=2, control_interval=3, min_batch=2)
     net = ol.wrap_model(model())  # instead of accelerator.prepare(model)
@@ -196,6 +205,8 @@ def test_three_heterogeneous_ranks_accumulating_equal_one_process(three_ranks, o
 
 
 def test_resume_mid_epoch_continues_as_an_uninterrupted_run(three_ranks, one_process):
+    from omnilearn.integrations.hf import SESSION_FILE
+
     out, ranks = three_ranks
     assert (out / "ckpt" / f"checkpoint-{STOP}" / SESSION_FILE).is_file()
     for r, got in enumerate(ranks):
@@ -210,6 +221,10 @@ def test_resume_mid_epoch_continues_as_an_uninterrupted_run(three_ranks, one_pro
 
 
 def test_wrong_settings_are_refused_in_one_line(tmp_path):
+    from transformers import TrainingArguments
+
+    from omnilearn.integrations.hf import SESSION_FILE, OmniLearnTrainer
+
     with pytest.raises(ConfigError, match="fp16=True"):
         OmniLearnTrainer(model=model().float(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                                                        fp16=True, report_to=[]))

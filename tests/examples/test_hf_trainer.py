@@ -15,12 +15,11 @@ import json
 import re
 
 import pytest
+from needs import needs
 
 from runexample import assert_balanced_and_learning, scripted_timings, torchrun
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("transformers", "hf"), needs("accelerate", "hf")]
 
 SLOW = ("--speeds", "3,1", "--max-steps", "30")
 

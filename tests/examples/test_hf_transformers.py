@@ -6,11 +6,11 @@ Run: ``python -m pytest -q tests/examples/test_hf_transformers.py``
 from __future__ import annotations
 
 import pytest
+from needs import needs
 
 from runexample import assert_balanced_and_learning, scripted_timings, torchrun
 
-pytest.importorskip("transformers")
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("transformers", "hf")]
 
 
 def test_hf_example_rebalances_and_learns(tmp_path):

@@ -17,11 +17,11 @@ import subprocess
 import sys
 
 import pytest
+from needs import needs
 
 from runexample import ROOT, assert_balanced_and_learning, scripted_timings
 
-pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 
 
 def test_keras_fit_example_launched_on_two_tf_workers_rebalances_and_learns(tmp_path):

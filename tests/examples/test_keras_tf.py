@@ -14,12 +14,12 @@ import subprocess
 import sys
 
 import pytest
+from needs import needs
 
 from omnilearn.tf.cluster import free_ports, local_config
 from runexample import EXAMPLES, ROOT, assert_balanced_and_learning, scripted_timings
 
-pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 
 
 def start(rank: int, ports: list[int], *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -19,35 +19,47 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
+from needs import needs
 
-from omnilearn.config import ConfigError  # noqa: E402
-from omnilearn.tf.data import examples  # noqa: E402
+from omnilearn.config import ConfigError
 
+pytestmark = needs("tensorflow", "tensorflow")  # imported by the tests that run here (each worker collects all)
 ROOT = Path(__file__).resolve().parents[2]
 X, Y = np.arange(30, dtype=np.float64).reshape(10, 3), np.arange(10) % 3
-SLICES = tf.data.Dataset.from_tensor_slices((X, Y))
 
 
-@pytest.mark.parametrize("dataset", [SLICES, SLICES.map(lambda x, y: (x, y)).prefetch(2), SLICES.batch(4).unbatch()],
-                         ids=["slices", "map-prefetch", "batch-unbatch"])
-def test_a_dataset_of_examples_reads_into_its_arrays_in_order(dataset):
-    x, y = examples(dataset)
+def slices():
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((X, Y))
+
+
+def examples(dataset):
+    from omnilearn.tf.data import examples
+
+    return examples(dataset)
+
+
+@pytest.mark.parametrize("make", [slices, lambda: slices().map(lambda x, y: (x, y)).prefetch(2),
+                                  lambda: slices().batch(4).unbatch()], ids=["slices", "map-prefetch", "batch-unbatch"])
+def test_a_dataset_of_examples_reads_into_its_arrays_in_order(make):
+    x, y = examples(make())
     assert x.dtype == X.dtype and np.array_equal(x, X) and np.array_equal(y, Y)
 
 
-@pytest.mark.parametrize("dataset, said", [
-    (SLICES.batch(4), "batched (Batch); OmniLearn cuts each global batch per worker itself: pass it unbatched "
-                      "(add .unbatch(), or take it before .batch())"),
-    (SLICES.batch(4).prefetch(1), "batched (Batch)"),
-    (SLICES.padded_batch(4), "batched (PaddedBatch)"),
-    (SLICES.repeat(), "infinite (.repeat() without a count)"),
-    (SLICES.take(0), "the dataset is empty"),
-    (SLICES.map(lambda x, y: x), "elements must be (x, y) pairs"),
-    (SLICES.map(lambda x, y: ({"features": x}, y)), "elements must be (x, y) pairs"),
-    (X, "give a tf.data.Dataset of (x, y) examples"),
+@pytest.mark.parametrize("make, said", [
+    (lambda: slices().batch(4), "batched (Batch); OmniLearn cuts each global batch per worker itself: pass it "
+                                "unbatched (add .unbatch(), or take it before .batch())"),
+    (lambda: slices().batch(4).prefetch(1), "batched (Batch)"),
+    (lambda: slices().padded_batch(4), "batched (PaddedBatch)"),
+    (lambda: slices().repeat(), "infinite (.repeat() without a count)"),
+    (lambda: slices().take(0), "the dataset is empty"),
+    (lambda: slices().map(lambda x, y: x), "elements must be (x, y) pairs"),
+    (lambda: slices().map(lambda x, y: ({"features": x}, y)), "elements must be (x, y) pairs"),
+    (lambda: X, "give a tf.data.Dataset of (x, y) examples"),
 ])
-def test_what_cannot_be_served_is_refused_in_one_line_saying_what_to_do(dataset, said):
+def test_what_cannot_be_served_is_refused_in_one_line_saying_what_to_do(make, said):
+    dataset = make()
     with pytest.raises(ConfigError) as e:
         examples(dataset)
     assert said in str(e.value) and "\n" not in str(e.value)

@@ -21,10 +21,10 @@ import sys
 import time
 
 import pytest
+from needs import needs
 from runfiles import has_step_rows
 
-pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 
 
 def launch(out, *flags: str, env: dict | None = None) -> subprocess.Popen:

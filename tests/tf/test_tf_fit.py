@@ -71,13 +71,12 @@ if __name__ == "__main__":
     worker(Path(sys.argv[1]), sys.argv[2])
     sys.exit(0)
 
-pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
-
+from needs import needs  # noqa: E402  (in tests/: not importable where this file runs as a worker)
 from omnilearn.decisions import SCRIPTED_ENV  # noqa: E402
 from omnilearn.tf.cluster import free_ports, local_config  # noqa: E402
 from test_tf_train import float64_keras_home  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 
 
 def run(out: Path, workers: int, source: str, env: dict[str, str]) -> list[tuple[str, str]]:

@@ -20,13 +20,13 @@ import time
 
 import numpy as np
 import pytest
+from needs import needs
 
 from omnilearn.config import ConfigError
 from omnilearn.experiments.cli import main
 from omnilearn.keywords import LAUNCH_ENV, launched
 
-pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "examples"))

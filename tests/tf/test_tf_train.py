@@ -34,16 +34,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from needs import needs
 from runfiles import raw_events
 
-pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
 h5py = pytest.importorskip("h5py")
 
 from omnilearn.decisions import SCRIPTED_ENV  # noqa: E402
 from omnilearn.experiments.cli import main  # noqa: E402
 from omnilearn.observe.metrics import read_metrics  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 STEPS = ("--global-batch", "256", "--max-steps", "36", "--control-interval", "6", "--seed", "3", "--no-plots")
 SCRIPTED = "0.01:0.0001,0.005:0.0002,0.0004"  # worker 2 slowest per sample, workers 0 and 1 with more fixed cost
 
