@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import pytest
 from needs import needs
@@ -37,6 +38,11 @@ import torch.nn.functional as F
 import omnilearn
 from omnilearn.config import ConfigError
 from omnilearn.decisions import SCRIPTED_ENV
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
+
+    from omnilearn.integrations.hf import OmniLearnTrainer
 
 # transformers and accelerate are imported where they are used: every pytest-xdist worker collects this file
 pytestmark = [pytest.mark.dist, needs("transformers", "hf"), needs("accelerate", "hf")]
