@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from pathlib import Path
 
 from omnilearn.experiments.cli import main
 
@@ -116,12 +117,20 @@ def test_report_on_a_directory_without_a_run(tmp_path, capsys):
     assert "holds neither metrics.jsonl" in capsys.readouterr().err
 
 
-def test_a_bad_worker_start_method_is_one_line(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("command", [["train"], ["train", "--framework", "tensorflow"],
+                                     ["launch", "--workers", "2", "examples/keras_fit.py"]],
+                         ids=["pytorch", "tensorflow", "launch"])
+def test_a_bad_worker_start_method_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch, command):
+    if command[-1].endswith(".py") or "tensorflow" in command:
+        pytest.importorskip("tensorflow", reason="the [tensorflow] extra is not installed")
     monkeypatch.setenv("OMNILEARN_START_METHOD", "fork")
-    assert main(["train", "--max-steps", "4", "--no-plots", "--out", str(tmp_path / "run")]) == 2
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    out = ["--out", str(tmp_path / "run")]
+    argv = [*command[:-1], *out, command[-1]] if command[0] == "launch" else [*command, "--max-steps", "4", *out]
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert "OMNILEARN_START_METHOD='fork' is not a start method for the workers: use spawn or forkserver" in err
-    assert "Traceback" not in err and err.count("omnilearn: error") == 1
+    assert "Traceback" not in err and err.count("omnilearn: error") == 1 and not (tmp_path / "run").exists()
 
 
 def test_a_tmpdir_too_long_for_the_fork_servers_socket_starts_the_workers_with_spawn(tmp_path, monkeypatch):

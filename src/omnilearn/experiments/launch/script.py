@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
                           "'omnilearn-hetero[tensorflow]'")
     workers = _workers(args.workers, args.speeds)
     _check_numbers(args)
+    tflaunch.start_method()  # a bad OMNILEARN_START_METHOD is refused before the run directory is made
     if args.resume:
         if args.out is None:
             raise ConfigError("--resume needs --out: the run directory to continue")

@@ -171,13 +171,19 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "omnilearn.experiments
            "omnilearn.experiments.launch.quickexit")  # last: the server's exit skips the final collections
 
 
-def start_context():
-    """The fork server, preloaded with :data:`PRELOAD` (Linux), or ``spawn`` (elsewhere, or asked for)."""
+def start_method() -> str:
+    """``forkserver`` (Linux, unless ``OMNILEARN_START_METHOD`` asks for ``spawn``) or ``spawn``: how the workers
+    of a local launch start (PyTorch's here, TensorFlow's in :mod:`omnilearn.experiments.launch.tfworkers`)."""
     method = os.environ.get(START_METHOD_ENV, "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ConfigError(f"{START_METHOD_ENV}={method!r} is not a start method for the workers: use spawn or "
                           "forkserver (the default), or unset it")
-    if method == "spawn" or not sys.platform.startswith("linux") or not _fork_server_address_fits():
+    return method if sys.platform.startswith("linux") else "spawn"
+
+
+def start_context():
+    """The fork server, preloaded with :data:`PRELOAD` (Linux), or ``spawn`` (elsewhere, or asked for)."""
+    if start_method() == "spawn" or not _fork_server_address_fits():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))

@@ -41,14 +41,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from omnilearn.config import ConfigError, dump_toml
+from omnilearn.config import dump_toml
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.launch.supervise import (
-    START_METHOD_ENV,
     Interrupted,
     SignalTrap,
     WorkerFailed,
     signal_name,
+    start_method,  # re-exported: the commands check it before they write anything
 )
 from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent
 from omnilearn.experiments.train import restarts
@@ -80,11 +80,7 @@ def common_env(workers: int, device: str) -> dict[str, str]:
 def fork_server(workers: int, device: str, run_dir: Path, command: list[str]) -> Iterator[ForkServer | None]:
     """The run's :class:`~omnilearn.experiments.launch.tfforks.ForkServer` (Linux, unless ``OMNILEARN_START_METHOD``
     says ``spawn``), kept across restarts; ``None``: each worker is a fresh interpreter."""
-    method = os.environ.get(START_METHOD_ENV, "forkserver")
-    if method not in ("forkserver", "spawn"):
-        raise ConfigError(f"{START_METHOD_ENV}={method!r} is not a start method for the workers: use spawn or "
-                          "forkserver (the default), or unset it")
-    if method == "spawn" or not sys.platform.startswith("linux"):
+    if start_method() == "spawn":
         yield None
         return
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,10 @@ def train(args: argparse.Namespace) -> int:
             check(cfg)
     else:
         preflight.check(cfg)  # data layout, emulator, --out, process count: before anything is written or started
+    if not launched_by_torchrun() and not os.environ.get("TF_CONFIG"):  # this command starts the workers
+        from omnilearn.experiments.launch.supervise import start_method
+
+        start_method()  # a bad OMNILEARN_START_METHOD: one line, before the run directory is made
     if cfg.framework == "tensorflow":
         return train_tensorflow(cfg, args)
     steps = workload.look(cfg)  # fail fast (data, model, run length) before any process starts
