@@ -146,3 +146,16 @@ def test_the_launcher_blames_a_worker_killed_by_a_signal_over_the_peers_it_took_
     assert first_failed([_Ended(1), _Ended(None), _Ended(None, ends_with=-signal.SIGKILL, after=3)]) == 2
     # no death by a signal: the lowest rank that failed
     assert first_failed([_Ended(0), _Ended(2), _Ended(1)]) == 1
+
+
+def test_a_stop_asked_for_while_the_server_imports_ends_it_at_once(tmp_path):
+    """An import that hangs (a wedged file system, a lock): the launcher, told to stop, kills the server rather
+    than wait for a pid that never comes."""
+    (tmp_path / "wedged.py").write_text("import time\ntime.sleep(120)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    started = time.monotonic()
+    with ForkServer(env, tmp_path / "w0.log", [sys.executable, "x.py"], preload=("wedged",)) as server:
+        asked = started + 1.0
+        worker = server.start(0, ["x.py"], env, tmp_path / "w0.log", True, give_up=lambda: time.monotonic() > asked)
+        assert worker.wait() == -signal.SIGKILL
+    assert time.monotonic() - started < 30

@@ -42,6 +42,7 @@ import select
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 POLL_S = 0.02
@@ -77,9 +78,11 @@ class ForkServer:
         self.codes: dict[int, int] = {}  # pid -> exit code, once reaped
         self.ended = False
 
-    def start(self, rank: int, argv: list[str], env: dict[str, str], log: Path, console: bool) -> Forked:
+    def start(self, rank: int, argv: list[str], env: dict[str, str], log: Path, console: bool,
+              give_up: Callable[[], bool] = lambda: False) -> Forked:
         """Fork worker ``rank`` running ``argv`` (``["-m", module, ...]`` or ``[script, ...]``); wait for its pid (the
-        first waits for the server's imports)."""
+        first waits for the server's imports). Once ``give_up()`` says so (the launcher was told to stop) the
+        server is killed instead, and the worker reads as killed."""
         task = {"rank": rank, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log), "console": console}
         self.pids.pop(rank, None)  # a restart's worker: a new pid
         try:
@@ -88,6 +91,8 @@ class ForkServer:
         except (BrokenPipeError, OSError):
             self._end()
         while rank not in self.pids and not self.ended:
+            if give_up():
+                self.proc.kill()
             self.pump(wait_s=POLL_S)
         return Forked(self, rank)
 

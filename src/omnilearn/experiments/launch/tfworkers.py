@@ -38,7 +38,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from omnilearn.config import dump_toml
@@ -89,15 +89,16 @@ def fork_server(workers: int, device: str, run_dir: Path, command: list[str]) ->
 
 
 def start(workers: int, device: str, run_dir: Path, command: list[str], extra_env: dict[str, str] | None = None,
-          server: ForkServer | None = None) -> list[subprocess.Popen | Forked]:
+          server: ForkServer | None = None,
+          give_up: Callable[[], bool] = lambda: False) -> list[subprocess.Popen | Forked]:
     """One process per worker running ``command`` (forked by ``server``, else a fresh interpreter), each with its
-    ``TF_CONFIG`` (and ``extra_env``)."""
+    ``TF_CONFIG`` (and ``extra_env``); ``give_up``: a stop asked for while the server imports."""
     ports = free_ports(workers)
     procs: list[subprocess.Popen | Forked] = []
     for rank in range(workers):
         env = {**common_env(workers, device), "TF_CONFIG": local_config(ports, rank), **(extra_env or {})}
         if server is not None:
-            procs.append(server.start(rank, command[1:], env, log_path(run_dir, rank), console=rank == 0))
+            procs.append(server.start(rank, command[1:], env, log_path(run_dir, rank), rank == 0, give_up))
             continue
         with open(log_path(run_dir, rank), "ab") as log:
             procs.append(subprocess.Popen(
@@ -169,7 +170,7 @@ def supervise(workers: int, device: str, run_dir: Path, command: list[str], extr
         old.unlink(missing_ok=True)
     env = {**(extra_env or {}), **({BEAT_DIR_ENV: str(run_dir)} if heartbeat_s else {})}
     with SignalTrap() as trap:
-        procs = start(workers, device, run_dir, command, env, server)
+        procs = start(workers, device, run_dir, command, env, server, give_up=lambda: bool(trap.received))
         try:
             while any(p.poll() is None for p in procs):
                 if trap.received:
