@@ -138,7 +138,7 @@ def test_state_from_another_shape_is_refused():
     ol, *_ = make_session()
     state = ol.state_dict()
     other = omnilearn.setup(global_batch=24, device="cpu")
-    with pytest.raises(ValueError, match="global batch 12 loaded into a session of 24: resume with --global-batch 12"):
+    with pytest.raises(ConfigError, match="global batch 12 but this session has 24: resume with global_batch=12"):
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="format"):
         other.load_state_dict({**state, "format": 99})

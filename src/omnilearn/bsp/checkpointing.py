@@ -27,7 +27,10 @@ the directory holds no checkpoint at all, or the same :class:`CheckpointError`
 (every checkpoint damaged, or one that passed its checksum and does not load:
 no fallback then). The session state may come from another worker count
 (:meth:`Session.load_state_dict`: the split is re-planned, the data position
-carries on).
+carries on). What the data position means (seed, dataset length, global
+batch, steps per epoch) is saved with it and checked first
+(:func:`check_resume`): a run that would read other samples at that position
+is refused in one line naming the saved value, the value now and the keyword.
 
 The session's own ``state_dict`` (:func:`session_state`, :func:`load_session_state`,
 elastic loading included) lives here too; ``Session`` delegates to it. Each
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,8 @@ import torch
 from omnilearn.bsp import sharded
 from omnilearn.bsp.rng import load_rng_state, rank_seed, rng_state, seed_rank
 from omnilearn.checkpoint import CheckpointError, CheckpointStore
+from omnilearn.config import ConfigError
+from omnilearn.data.position import keyword
 from omnilearn.distributed.collect import broadcast_bytes, broadcast_chunks, gather_bytes
 from omnilearn.distributed.group import DistContext, cpu_group
 
@@ -57,6 +63,10 @@ Session = Any  # omnilearn.bsp.session.Session, which imports this module
 
 STATE_FORMAT = 1  # of the session's state_dict
 REPLAY_LIMIT = 100_000  # draws searched for the loader generator's place in its seeded stream
+
+
+class UnverifiedResumeWarning(UserWarning):
+    """A checkpoint from before the data basis was saved: its seed and dataset could not be checked."""
 
 
 def to_bytes(obj: Any) -> bytes:
@@ -180,6 +190,7 @@ def fetch_latest(ctx: DistContext, store: CheckpointStore) -> tuple[Path, bytear
 
 
 def _apply(session: Session, state: dict, objects: dict[str, Any]) -> dict:
+    check_resume(session, state["session"])  # before the model and optimizer change
     for name, obj in objects.items():
         if obj is None:
             continue
@@ -201,11 +212,12 @@ def session_state(session: Session) -> dict:
     return {"format": STATE_FORMAT, "world_size": session.world_size, "global_batch": session.cfg.global_batch,
             "steps_done": session.steps_done, "next_step": session.next_step, "train_s": session.clock.at_last_step_s,
             "loop": session.loop.state_dict(), "schedule": session.schedule.state_dict(),
-            "sampler": session.sampler.state_dict(), f"rank{session.rank}": mine}
+            "sampler": session.sampler.state_dict(), "data": session.sampler.basis() or {},
+            f"rank{session.rank}": mine}
 
 
 def load_session_state(session: Session, state: dict) -> None:
-    """Restore :func:`session_state` (same global batch).
+    """Restore :func:`session_state` (same global batch, same data: :func:`check_resume`).
 
     From another worker count (elastic): the data position, step count and
     training time carry on; the split starts afresh from the declared speeds
@@ -213,11 +225,7 @@ def load_session_state(session: Session, state: dict) -> None:
     did not have are seeded from ``(seed, rank)``. The samples of every step
     do not depend on the split, so the weights still follow the same path.
     """
-    if state.get("format") != STATE_FORMAT:
-        raise ValueError(f"session state format {state.get('format')!r}; this version reads {STATE_FORMAT}")
-    if state["global_batch"] != session.global_batch:
-        raise ValueError(f"session state of global batch {state['global_batch']} loaded into a session of "
-                         f"{session.global_batch}: resume with --global-batch {state['global_batch']}")
+    check_resume(session, state)
     same = int(state["world_size"]) == session.world_size
     if same:
         session.loop.load_state_dict(state["loop"])
@@ -239,6 +247,22 @@ def load_session_state(session: Session, state: dict) -> None:
     session.resumed_from = (session.next_step, int(state["world_size"]))
     session.pending_telemetry = (state.get("rank0") or {}).get("telemetry", {})
     session.restore_telemetry()
+
+
+def check_resume(session: Session, state: dict) -> None:
+    """Refuse, before anything is restored, a state this session would read differently: another format, global
+    batch, or data basis (seed, dataset length, steps per epoch: :mod:`omnilearn.data.position`; checked when the
+    dataset is known). A state from before the basis was saved is loaded unchecked, with a warning."""
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"session state format {state.get('format')!r}; this version reads {STATE_FORMAT}")
+    if state["global_batch"] != session.global_batch:
+        raise ConfigError(f"the checkpoint was saved with global batch {state['global_batch']} but this session has "
+                          f"{session.global_batch}: resume with {keyword('global_batch', state['global_batch'])}")
+    if "data" not in state:
+        warnings.warn("the checkpoint's session state predates the data checks (seed, dataset length, steps per "
+                      "epoch): the resume cannot check them; use the seed and data it was saved with",
+                      UnverifiedResumeWarning, stacklevel=3)
+    session.sampler.expect(state.get("data"))
 
 
 def _loader_generator(session: Session) -> torch.Generator | None:

@@ -19,7 +19,10 @@ The sampler keeps its place as ``(epoch, offset)``: where its next
 ``__iter__`` starts. ``set_epoch`` moves it forward only; ``complete(step)``
 (the session, when a step is reported) moves it past a finished step;
 ``state_dict()`` / ``load_state_dict()`` carry it (and the schedule) across
-a restart.
+a restart. What the place means (seed, dataset length, batch, steps per
+epoch: :func:`omnilearn.data.position.basis`) is saved by the session beside
+it; :meth:`VariableBatchSampler.expect` refuses a plan that reads it
+differently, now or, when the dataset comes later, in :meth:`use_plan`.
 
 Run: ``python -m pytest -q tests/unit/test_sampler.py``
 """
@@ -31,6 +34,8 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
+from omnilearn.config import ConfigError
+from omnilearn.data.position import basis, mismatch
 from omnilearn.data.schedule import BatchSchedule, GlobalPlan, micro_sizes  # noqa: F401  (re-exported)
 
 
@@ -47,9 +52,27 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.total_steps = steps  # stop before this global step (None: whole epochs)
         self.micro_steps = micro_steps
         self.epoch, self.offset = 0, 0  # where the next __iter__ starts
+        self.expected: dict | None = None  # a loaded checkpoint's data basis, until the plan is known
 
     def use_plan(self, plan: GlobalPlan) -> None:
-        self.plan = plan
+        """Read the data by ``plan`` (:class:`ConfigError` if a loaded place means other samples under it)."""
+        problem = mismatch(self.expected, basis(plan))
+        if problem is not None:
+            raise ConfigError(problem)
+        self.plan, self.expected = plan, None
+
+    def basis(self) -> dict | None:
+        """What the place means (:func:`omnilearn.data.position.basis`); None before the dataset is known."""
+        return basis(self.plan) if self.plan is not None else self.expected
+
+    def expect(self, saved: dict | None) -> None:
+        """The place was loaded from a run whose data had ``saved`` basis: refuse another, now or in :meth:`use_plan`."""
+        if self.plan is None:
+            self.expected = saved
+            return
+        problem = mismatch(saved, basis(self.plan))
+        if problem is not None:
+            raise ConfigError(problem)
 
     def _plan(self) -> GlobalPlan:
         if self.plan is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
@@ -38,11 +38,16 @@ class GlobalPlan:
     global_batch: int
     seed: int = 0
 
+    KIND: ClassVar[str] = "dataset"  # what :mod:`omnilearn.data.position` calls this kind of plan
+    RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("global_batch", "dataset_len", "seed", "steps_per_epoch",
+                                                "partial_batch")  # what a saved data position depends on
+    partial_batch: ClassVar[str] = "dropped"  # an epoch's last N mod B samples
+
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.dataset_len < self.global_batch:
             raise ValueError(
                 f"dataset of {self.dataset_len} samples cannot fill one global batch of {self.global_batch}; "
-                "lower --global-batch"
+                "lower global_batch"
             )
 
     @property

@@ -25,15 +25,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from torch.utils.data import DataLoader, IterableDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from omnilearn.data.plan import GlobalPlan, VariableBatchSampler, micro_sizes
 
 
 @dataclass(frozen=True)
 class StreamPlan(GlobalPlan):
-    """A stream's plan: ``dataset_len`` is ``total_steps x B`` (one epoch is the run); no indices are made."""
+    """A stream's plan: ``dataset_len`` is ``total_steps x B`` (one epoch is the run); no indices are made.
+
+    A resume may lengthen the run: its items are skipped by count, so only the batch must match."""
+
+    KIND = "stream"
+    RESUME_FIELDS = ("global_batch",)
 
     def permutation(self, epoch: int) -> None:  # type: ignore[override]
         return None

@@ -33,6 +33,9 @@ from omnilearn.data.plan import GlobalPlan
 class WindowPlan(GlobalPlan):
     """Step ``s`` reads ``B`` uniform draws from ``[0, high)`` seeded by ``(seed, s)``; ``dataset_len`` is ``high``."""
 
+    KIND = "random_indices"
+    RESUME_FIELDS = ("global_batch", "dataset_len", "seed", "steps_per_epoch")  # nothing is dropped: no partial batch
+
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.dataset_len < 1:
             raise ValueError(f"random_indices({self.dataset_len}) needs a positive range to draw from")
