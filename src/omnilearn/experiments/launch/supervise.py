@@ -75,6 +75,7 @@ from typing import Callable, Sequence
 import torch.multiprocessing as mp
 
 from omnilearn.config import ConfigError
+from omnilearn.experiments.launch import freshchild
 from omnilearn.distributed.watchdog import SERVER, ErrorLog, hung_rank, rank_name, read_error_log, read_error_logs
 
 STOP_GRACE_S = 8.0  # after SIGTERM on an interrupt: time to reach a safe point and checkpoint, then SIGKILL
@@ -222,7 +223,9 @@ def launch_env(target: Callable[..., None]) -> tuple:
 def in_launch_env(rank: int, env: dict[str, str], stdout: int, stderr: int, target: Callable[..., None],
                   *args) -> None:
     """A rank started with :func:`launch_env`'s arguments: the launcher's environment, stdout and stderr, then
-    ``target(rank, *args)``."""
+    ``target(rank, *args)``; forked, it first gets a fresh process's signal handling and random state
+    (:mod:`omnilearn.experiments.launch.freshchild`)."""
+    freshchild.become_fresh()
     _leave_the_fork_servers_clients()
     os.environ.clear()
     os.environ.update(env)

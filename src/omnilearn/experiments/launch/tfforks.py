@@ -25,6 +25,9 @@ handles fork) and no runtime. The eager context, gRPC, the strategy and CUDA sta
 What they read at import (``TF_CPP_MIN_LOG_LEVEL``, ``KERAS_HOME``'s ``keras.json``, ``KERAS_BACKEND``) is the
 server's environment, which is the launch's. ``OMNILEARN_START_METHOD=spawn`` starts each worker as a fresh
 interpreter instead (a script that changes Keras' settings before it imports Keras needs that).
+A forked child gets a fresh interpreter's signal handling (SIGPIPE ignored, SIGINT KeyboardInterrupt, ...) and its
+own random state (numpy's global ``RandomState``, ``random``), not the server's copy
+(:mod:`omnilearn.experiments.launch.freshchild`).
 
 Every worker's command line (``ps``, ``pgrep -f``) is the server's, which ends with the worker's command.
 
@@ -44,6 +47,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from omnilearn.experiments.launch import freshchild  # first: its snapshot is the server's signals at start
 
 POLL_S = 0.02
 PRELOAD = ("tensorflow", "keras", "omnilearn.tf.api", "omnilearn.tf.session", "omnilearn.tf.fit")
@@ -213,7 +218,8 @@ def _reap(reports: int, children: set[int]) -> None:
 
 
 def become(task: dict, server: int) -> None:
-    """In the child of ``server``: the worker's session, descriptors, environment, directory and signal handlers."""
+    """In the child of ``server``: the worker's session, descriptors, environment, directory, signal handlers and
+    random state (:mod:`omnilearn.experiments.launch.freshchild`)."""
     os.setsid()
     die_with_parent()
     if os.getppid() != server:  # the server ended before the parent-death signal was set
@@ -227,9 +233,7 @@ def become(task: dict, server: int) -> None:
     os.environ.clear()
     os.environ.update(task["env"])
     os.chdir(task["cwd"])
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    freshchild.become_fresh()  # a spawned interpreter's signal handling (SIGPIPE ignored...) and random state
 
 
 def run(argv: list[str]) -> None:
