@@ -98,8 +98,9 @@ def refuse_unbalanced(model: nn.Module, world_size: int) -> None:
     """Raise one line naming what OmniLearn cannot balance in ``model`` and the supported route; else nothing."""
     kind = type(model).__name__
     if isinstance(model, DDP):
-        raise TypeError(f"ol.wrap_model() got a model already wrapped in {kind}: pass the plain module "
-                        "(ol.wrap_model wraps it in DDP with the weighted gradient hook)")
+        raise TypeError(f"ol.wrap_model() got a model already wrapped in {kind} (by accelerator.prepare(model)?): "
+                        "pass the plain module (ol.wrap_model wraps it in DDP with the weighted gradient hook; with "
+                        "accelerate prepare only the optimizer)")
     if _is_fsdp1(model):
         raise TypeError(f"ol.wrap_model() got an FSDP1 model ({kind}), which OmniLearn cannot balance: {ROUTE}")
     if "deepspeed" in type(model).__module__.lower() or kind == "DeepSpeedEngine":
@@ -120,6 +121,19 @@ def refuse_unbalanced(model: nn.Module, world_size: int) -> None:
         raise TypeError(f"ol.wrap_model(): a sharded model on a device mesh of shape {sorted(meshes)[0]} (HSDP, "
                         f"tensor or pipeline parallel) cannot be balanced: shard over one dimension of all "
                         f"{world_size} ranks (fully_shard's default mesh)")
+
+
+def sharded_inside(module: nn.Module) -> str | None:
+    """What in ``module`` (wrapped in DDP already) was sharded since: a ``fully_shard`` unit or a DTensor parameter
+    (named), or None. DDP's reducer holds the parameters it was given; sharding swaps them for new ones, which FSDP
+    then reduces by its own average, unweighted and untimed."""
+    for name, unit in module.named_modules():
+        if is_sharded(unit):
+            return f"module {name or '(the root)'!r} was sharded"
+    for name, p in module.named_parameters():
+        if _mesh_shape(p) is not None:
+            return f"parameter {name!r} is a DTensor"
+    return None
 
 
 def _is_fsdp1(model: nn.Module) -> bool:

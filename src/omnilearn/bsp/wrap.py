@@ -22,6 +22,15 @@ the batches change inside the window. The session's gradient accumulation
 (``accumulation_steps`` and ``ol.backward``) does it exactly; it sets DDP's
 ``require_backward_grad_sync`` itself, before each micro-batch's forward.
 
+Every call order: a wrapped model wrapped again in another DDP (``model =
+accelerator.prepare(model)`` after ``ol.wrap_model``, in a process group) would
+have its weighted gradients averaged a second time by the outer DDP: its first
+forward raises :class:`~omnilearn.config.ConfigError` (:func:`outer_ddp`). So
+does one sharded after ``ol.wrap_model`` (``fully_shard(model)`` after it: FSDP
+would reduce by its own unweighted average, its waits unmeasured). The reverse
+orders (a DDP model, or an FSDP2 one, given to ``ol.wrap_model``) are refused,
+or adopted, by :func:`omnilearn.bsp.sharded.refuse_unbalanced`.
+
 Run: ``python -m pytest -q tests/dist/test_accumulation.py tests/dist/test_teardown.py``
 """
 
@@ -35,6 +44,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from omnilearn.bsp.sharded import is_sharded, sharded_inside
+from omnilearn.config import ConfigError
 from omnilearn.distributed import group
 from omnilearn.distributed.hooks import HookState, weighted_allreduce_hook
 
@@ -53,13 +64,41 @@ class BalancedDDP(DDP):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if "reducer" not in self.__dict__:  # released: no group left to sync with
             return self.module(*inputs, **kwargs)
+        self._check_order()
         return super().forward(*inputs, **kwargs)
+
+    def _check_order(self) -> None:
+        """Refuse what was done to the model after ``ol.wrap_model`` (module docstring): every forward, the cheap
+        checks (an outer DDP, the root sharded); the first forward, every module and parameter."""
+        outer = outer_ddp(self)
+        if outer is not None:
+            raise ConfigError(f"the model ol.wrap_model() returned was wrapped again in {type(outer).__name__} "
+                              "(accelerator.prepare(model) after ol.wrap_model?), which would average its weighted "
+                              "gradients a second time: keep ol.wrap_model's model and prepare only the optimizer "
+                              "(optimizer = accelerator.prepare(optimizer))")
+        first = not self.__dict__.get("orders_checked", False)
+        root = is_sharded(self) or is_sharded(self.module)
+        sharded = "the root module was sharded" if root else sharded_inside(self.module) if first else None
+        if sharded is not None:
+            raise ConfigError(f"fully_shard after ol.wrap_model(): {sharded} inside OmniLearn's DDP, so FSDP would "
+                              "average the gradients unweighted and its waits go unmeasured: call fully_shard first "
+                              "(each block, then the root), then model = ol.wrap_model(model)")
+        self.__dict__["orders_checked"] = True
 
     def no_sync(self):
         raise RuntimeError(
             "model.no_sync() is not supported on an OmniLearn model: the accumulated gradients would all be "
             "weighted by the last step's batch share. Set accumulation_steps=K in omnilearn.setup() (--accumulation-"
             "steps K), iterate the K micro-batches the loader hands out per step and call ol.backward(loss) for each")
+
+
+def outer_ddp(model: DDP) -> DDP | None:
+    """The other DDP whose forward is running ``model``'s (it wrapped ``model`` again), or None.
+
+    DDP marks itself active during its module's forward (``DistributedDataParallel._get_active_ddp_module``,
+    private, for torch.compile; tests/unit/test_torch_private_names.py holds it to that)."""
+    active = DDP._get_active_ddp_module()
+    return active if active is not None and active is not model else None
 
 
 def wrap(model: nn.Module, device: torch.device, grouped: bool, hook: HookState, **ddp_kwargs: Any) -> nn.Module:
