@@ -86,11 +86,31 @@ def test_out_that_is_a_file_or_under_one(tmp_path):
                   "choose another --out"
 
 
-def test_out_holding_a_run_needs_overwrite(tmp_path):
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text("")
-    assert "already holds a run (metrics.jsonl); choose another --out or pass --overwrite" in refused(cfg(tmp_path))
+def test_out_holding_a_run_needs_overwrite_and_names_resume(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    assert refused(cfg(tmp_path)) == (f"--out {str(run)!r} already holds a run (metrics.jsonl); it has no checkpoint "
+                                      "to --resume from; choose another --out or pass --overwrite")
     preflight.check_out_dir(cfg(tmp_path, overwrite=True))
+    (run / "config.toml").write_text("workers = 2\n")
+    (run / "checkpoints").mkdir()  # a relaunch into a run that can be continued: --resume is the way on
+    assert refused(cfg(tmp_path)) == (f"--out {str(run)!r} already holds a run (config.toml, metrics.jsonl); continue "
+                                      "it with --resume (from its newest checkpoint), choose another --out, or pass "
+                                      "--overwrite")
+
+
+def test_omnilearn_launch_into_a_run_names_resume(tmp_path, capsys):
+    from omnilearn.experiments.cli import main
+
+    pytest.importorskip("tensorflow")
+    run, script = tmp_path / "run", tmp_path / "s.py"
+    script.write_text("")
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    assert main(["launch", "--out", str(run), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a run (config.toml); continue it with --resume" in err, err
 
 
 def test_out_not_writable(tmp_path, monkeypatch):

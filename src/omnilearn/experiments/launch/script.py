@@ -38,7 +38,8 @@ from omnilearn.config import MAX_TIMEOUT_S, BalanceConfig
 from omnilearn.emulation.speeds import BSP_LEVELS, SpeedError, parse_speeds, speed_count
 from omnilearn.experiments.config import ConfigError
 from omnilearn.keywords import LAUNCH_ENV
-from omnilearn.observe.rundir import check_out, clear_run
+from omnilearn.experiments.train.newrun import check_new_out
+from omnilearn.observe.rundir import clear_run
 
 
 def add_parser(sub) -> None:
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume: --out {args.out!r} holds no run (no config.toml); give the run's directory, "
                               "or start a new run without --resume")
     else:
-        out = check_out(args.out, args.overwrite)
+        out = check_new_out(args.out, args.overwrite)
         out.mkdir(parents=True, exist_ok=True)
         if args.overwrite:  # the script's setup() then finds no run here
             clear_run(out)

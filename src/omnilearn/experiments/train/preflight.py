@@ -10,7 +10,8 @@ creates the run directory and before any worker starts:
   torchrun) per usable core, unless ``--oversubscribe``;
 - ``--out``: a directory (or its nearest existing parent) this process may
   write, with at least ``MIN_FREE_BYTES`` free, not holding a run unless
-  ``--overwrite``; with ``--resume`` instead a run (``config.toml``) with a
+  ``--overwrite`` (the refusal names ``--resume`` too:
+  :mod:`omnilearn.experiments.train.newrun`); with ``--resume`` instead a run (``config.toml``) with a
   ``checkpoints/`` directory. Under torchrun only rank 0 writes it, so only
   rank 0 checks it;
 - the emulator's OS preconditions
@@ -39,7 +40,8 @@ from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.datasets import core as data
 from omnilearn.experiments.datasets import images, text
 from omnilearn.experiments.train.workload import data_spec
-from omnilearn.observe.rundir import RunDirError, check_out, existing_parent, filesystem, size_text
+from omnilearn.experiments.train.newrun import check_new_out
+from omnilearn.observe.rundir import RunDirError, existing_parent, filesystem, size_text
 
 OVERSUBSCRIBE_PER_CORE = 8  # local processes per usable core, beyond which --oversubscribe is needed
 MIN_FREE_BYTES = 10 * 10**6  # free space --out needs to start a run
@@ -107,7 +109,7 @@ def check_processes(cfg: TrainConfig) -> None:
 def check_out_dir(cfg: TrainConfig) -> None:
     """``--out`` can take the run (or, with ``--resume``, holds one to continue), on a disk with room."""
     try:
-        path = _resume_dir(cfg.out) if cfg.resume else check_out(cfg.out, cfg.overwrite)
+        path = _resume_dir(cfg.out) if cfg.resume else check_new_out(cfg.out, cfg.overwrite)
     except RunDirError as e:
         raise ConfigError(str(e)) from None
     base = existing_parent(path)
