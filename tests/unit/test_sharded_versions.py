@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from omnilearn.bsp.sharded import _param_groups
+from omnilearn.bsp.sharded import param_groups
 
 
 def unit(**state) -> SimpleNamespace:
@@ -16,10 +16,10 @@ def unit(**state) -> SimpleNamespace:
 
 
 def test_the_list_of_newer_torch_is_used_whole():
-    assert _param_groups(unit(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")) == ["a", "b"]
-    assert _param_groups(unit(_fsdp_param_groups=[])) == []
+    assert param_groups(unit(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")) == ["a", "b"]
+    assert param_groups(unit(_fsdp_param_groups=[])) == []
 
 
 def test_the_single_group_of_torch_2_11_is_found():
-    assert _param_groups(unit(_fsdp_param_group="a")) == ["a"]
-    assert _param_groups(unit(_fsdp_param_group=None)) == []
+    assert param_groups(unit(_fsdp_param_group="a")) == ["a"]
+    assert param_groups(unit(_fsdp_param_group=None)) == []

@@ -207,13 +207,13 @@ def prepare(model: nn.Module, weight: Callable[[], Any], before: Callable[[], ob
         unit.set_gradient_divide_factor(1.0)
         unit.set_custom_reduce_scatter(scatter)
         unit.set_custom_all_gather(gather)
-        for param_group in _param_groups(unit):
+        for param_group in param_groups(unit):
             for name in ("wait_for_unshard", "finalize_backward"):
                 setattr(param_group, name, _timed_wait(getattr(param_group, name), blocked, stall, cuda))
     return model
 
 
-def _param_groups(unit: nn.Module) -> list[Any]:
+def param_groups(unit: nn.Module) -> list[Any]:
     """A unit's FSDP parameter groups: torch 2.13 keeps a list (``_fsdp_param_groups``), 2.11 one or none."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)

@@ -1,0 +1,168 @@
+"""Every private (or undocumented) name of torch that OmniLearn reads, calls or overrides, held to what we rely on.
+
+One test per name, in one process (a one-rank gloo group where DDP or FSDP2 needs one): each fails loudly, naming
+the name and the OmniLearn module that relies on it, when a torch release removes it or changes its signature or
+behaviour. Keep the list in step with ``grep -rnE "\\._[a-z]|\\"_[a-z]" src/omnilearn`` (torch objects only); the
+torch versions these tests ran on are the ones ``omnilearn.setup`` accepts (``require_tested("torch", ...)``,
+:mod:`omnilearn.versions`).
+
+========================================================  ==========================================
+name                                                      used by
+========================================================  ==========================================
+``DistributedDataParallel._get_active_ddp_module()``      bsp/wrap.py (a DDP wrapped in another)
+``DistributedDataParallel._comm_hooks``                   bsp/wrap.py (release: the hook's group)
+``DistributedDataParallel.reducer/logger/process_group``  bsp/wrap.py (release), bsp/memory.py
+``DistributedDataParallel.reducer._reset_state()``        bsp/memory.py (out-of-memory redo)
+``DistributedDataParallel._has_rebuilt_buckets``          bsp/memory.py
+``DistributedDataParallel.require_backward_grad_sync``    bsp/memory.py, bsp/micro.py
+``FSDPModule._get_fsdp_state()``                          bsp/sharded.py
+``FSDPState._fsdp_param_groups`` (``_fsdp_param_group``)  bsp/sharded.py
+``FSDPParamGroup.wait_for_unshard/finalize_backward``     bsp/sharded.py (timed waits)
+``fsdp._fully_shard._fsdp_api.ReduceScatter/AllGather``   bsp/sharded.py (the custom comms' signatures)
+``distributed_c10d._get_default_store()``                 distributed/group.py, distributed/watchdog.py
+``DataLoader._iterator``, ``..._shutdown_workers()``      data/loader.py (release the workers)
+``torch._dynamo`` (preloaded module)                      experiments/launch/supervise.py
+========================================================  ==========================================
+
+Run: ``python -m pytest -q tests/unit/test_torch_private_names.py``
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def ddp(group):
+    return DDP(nn.Linear(3, 2))
+
+
+def params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_ddp_get_active_ddp_module_is_the_ddp_whose_forward_runs(ddp):
+    """bsp/wrap.py's outer_ddp: which DDP's forward is running (None outside any)."""
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(DDP._get_active_ddp_module())
+            return x
+
+    assert DDP._get_active_ddp_module() is None, "DDP._get_active_ddp_module() outside a forward changed"
+    outer = DDP(nn.Sequential(Probe(), nn.Linear(3, 2)))
+    outer(torch.ones(1, 3)).sum().backward()
+    assert seen == [outer], "DDP._get_active_ddp_module() no longer names the DDP whose forward runs"
+
+
+def test_ddp_comm_hooks_list_holds_hook_and_state(ddp):
+    """bsp/wrap.py's release: ``model.__dict__["_comm_hooks"]`` is a list of (hook, state) pairs."""
+    state = object()
+
+    def hook(s, bucket):  # pragma: no cover - never run
+        raise AssertionError
+
+    ddp.register_comm_hook(state, hook)
+    assert isinstance(ddp.__dict__.get("_comm_hooks"), list), "DDP._comm_hooks is gone from the instance dict"
+    assert [(h, s) for h, s in ddp.__dict__["_comm_hooks"]] == [(hook, state)], "DDP._comm_hooks changed shape"
+
+
+def test_ddp_holds_its_group_by_reducer_logger_and_process_group(ddp):
+    """bsp/wrap.py's release pops these from the instance dict so the group can be destroyed."""
+    for name in ("reducer", "logger", "process_group"):
+        assert name in ddp.__dict__, f"DDP no longer keeps {name!r} in its instance dict"
+
+
+def test_ddp_reducer_reset_state_and_rebuilt_buckets_flag(ddp):
+    """bsp/memory.py's ReducerResets after an out-of-memory redo."""
+    assert callable(getattr(ddp.reducer, "_reset_state", None)), "DDP reducer._reset_state() is gone"
+    assert isinstance(ddp._has_rebuilt_buckets, bool), "DDP._has_rebuilt_buckets is gone or not a bool"
+    ddp(torch.ones(2, 3)).sum()  # a forward announced a backward that never comes
+    ddp.reducer._reset_state()
+    ddp._has_rebuilt_buckets = False
+    ddp(torch.ones(2, 3)).sum().backward()  # the reducer took the reset: the next step runs
+    assert isinstance(ddp.require_backward_grad_sync, bool), "DDP.require_backward_grad_sync is gone"
+
+
+def test_fsdp_state_param_groups_and_their_waits(group):
+    """bsp/sharded.py's prepare: a unit's parameter groups and the waits it times, wrapped as ``(*args, **kw)``."""
+    from torch.distributed.fsdp import fully_shard
+
+    from omnilearn.bsp.sharded import param_groups
+
+    model = fully_shard(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)))
+    state = model._get_fsdp_state()
+    assert hasattr(state, "_fsdp_param_groups") or hasattr(state, "_fsdp_param_group"), \
+        "FSDPState has neither _fsdp_param_groups (torch 2.13) nor _fsdp_param_group (2.11)"
+    groups = param_groups(model)
+    assert len(groups) == 1
+    for name in ("wait_for_unshard", "finalize_backward"):
+        method = getattr(groups[0], name, None)
+        assert callable(method), f"FSDPParamGroup.{name} is gone"
+        assert params(method) == [], f"FSDPParamGroup.{name} now takes {params(method)}"
+    for name in ("set_custom_reduce_scatter", "set_custom_all_gather", "set_gradient_divide_factor"):
+        assert callable(getattr(model, name, None)), f"FSDPModule.{name} is gone"
+
+
+def test_fsdp_custom_comm_interfaces_match_ours():
+    """bsp/sharded.py's WeightedReduceScatter and TimedAllGather implement FSDP2's comm interfaces (private module
+    ``torch.distributed.fsdp._fully_shard._fsdp_api``): same parameters, in order. (Their calls on 2+ ranks:
+    tests/dist/test_fsdp.py; one rank copies and never calls them.)"""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    from omnilearn.bsp.sharded import TimedAllGather, WeightedReduceScatter
+
+    for theirs, ours in ((ReduceScatter, WeightedReduceScatter), (AllGather, TimedAllGather)):
+        assert params(theirs.__call__) == params(ours.__call__), f"FSDP2's {theirs.__name__}.__call__ changed"
+        assert params(theirs.allocate) == params(ours.allocate), f"FSDP2's {theirs.__name__}.allocate changed"
+
+
+def test_default_store_of_the_group(group):
+    """distributed/group.py and watchdog.py reach the group's store (torch has no public accessor)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set("omnilearn", "ok")
+    assert store.get("omnilearn") == b"ok"
+
+
+def test_dataloader_iterator_and_shutdown_workers():
+    """data/loader.py's shutdown: a persistent-worker DataLoader keeps its iterator in ``_iterator``."""
+    loader = DataLoader(TensorDataset(torch.arange(4)), num_workers=0)
+    assert "_iterator" in vars(loader) and loader._iterator is None, "DataLoader._iterator is gone"
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    method = getattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", None)
+    assert callable(method), "_MultiProcessingDataLoaderIter._shutdown_workers is gone"
+    assert params(method) == ["self"], f"_shutdown_workers now takes {params(method)}"
+
+
+def test_the_preloaded_private_module_imports():
+    """experiments/launch/supervise.py preloads ``torch._dynamo`` in the fork server (DDP's constructor imports it)."""
+    assert importlib.import_module("torch._dynamo") is not None
+
+
+def test_setup_checks_the_torch_version(monkeypatch):
+    """``omnilearn.setup`` refuses a torch outside the tested range (once the lead fills TESTED["torch"])."""
+    import omnilearn
+    from omnilearn import versions
+    from omnilearn.config import ConfigError
+
+    monkeypatch.setitem(versions.TESTED, "torch", ("0.1", "0.2"))
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    with pytest.raises(ConfigError, match=r"omnilearn.setup: torch .* is outside the versions OmniLearn was tested"):
+        omnilearn.setup(global_batch=4, device="cpu")
