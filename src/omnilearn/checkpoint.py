@@ -12,7 +12,11 @@ is refused in one line naming the field (``extra['best']: numpy.float64``)
 before anything is written, so the existing checkpoints stay as they were.
 Each file is written to a temporary file, fsynced and renamed into place,
 the ``.pt`` first: a checkpoint without its ``.json`` was cut short and is
-not one.
+not one. That sequence (the parts, then the commit mark, then pruning) is
+:func:`commit`, the one every door's save follows. A sharded model's shards
+sit in a companion directory ``step-000000500.dcp`` (written by every rank
+before the mark); it is pruned with its checkpoint and swept when its mark
+never came.
 
 Reading tells two failures apart:
 
@@ -44,10 +48,11 @@ import hashlib
 import io
 import json
 import re
+import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,6 +62,7 @@ from omnilearn.weightsonly import FIX, first_refused, refused_field, refused_glo
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{9,})\.json$")
 _PT = re.compile(r"^step-(\d{9,})\.pt$")
+_COMPANION = re.compile(r"^step-(\d{9,})\.(?!pt$|json$)[a-z0-9]+$")  # a directory of a checkpoint's parts
 DAMAGED = ".damaged"  # suffix of a damaged checkpoint's files, set aside
 
 
@@ -70,6 +76,32 @@ class CheckpointDamaged(CheckpointError):
 
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was set aside for an older one."""
+
+
+def commit(mark: Path, write_parts: Callable[[], object], mark_bytes: Callable[[], bytes],
+           prune: Callable[[], object] | None = None) -> Path:
+    """The one save sequence for every door: complete or absent, nothing rotated away before the new one is whole.
+
+    1. ``write_parts()``: every part of the checkpoint (each written atomically by the caller; a failure raises
+       here and nothing below runs: no mark, nothing pruned);
+    2. the commit mark, last: ``mark_bytes()`` (called after the parts: it may hold their checksums) written to a
+       temporary file beside ``mark``, fsynced, renamed over ``mark``, the directory fsynced
+       (:func:`~omnilearn.observe.rundir.write_atomic`). A reader counts a checkpoint only by its mark;
+    3. ``prune()``: rotate older checkpoints away, only now. A prune that fails (an ``OSError``) leaves the new
+       checkpoint complete: a :class:`CheckpointWarning`, not an error (the next save prunes again).
+
+    Returns ``mark``. :meth:`CheckpointStore.save` is this with the ``.pt`` as the part and its manifest as the mark.
+    """
+    write_parts()
+    data = mark_bytes()
+    write_atomic(Path(mark), lambda f: f.write(data))
+    if prune is not None:
+        try:
+            prune()
+        except OSError as e:
+            warnings.warn(f"checkpoint {mark} is complete, but removing older checkpoints failed ({e}); they stay "
+                          "until a later save prunes them", CheckpointWarning, stacklevel=2)
+    return Path(mark)
 
 
 class BufferFile(io.RawIOBase):
@@ -119,6 +151,7 @@ class CheckpointStore:
         """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step); keep the newest K.
 
         A value ``torch.load(weights_only=True)`` would refuse is a :class:`CheckpointError` before anything is written.
+        The sequence is :func:`commit`'s: the ``.pt``, then its manifest (the mark), then :meth:`prune`.
         """
         refused = first_refused(state)
         if refused is not None:
@@ -129,30 +162,46 @@ class CheckpointStore:
         data = buffer.getbuffer()
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
-        write_atomic(path, lambda f: f.write(data))
-        manifest = {"format": FORMAT, "step": int(step), "sha256": hashlib.sha256(data).hexdigest(),
-                    "bytes": len(data), "saved_at": time.time(), "meta": meta or {}}
-        text = (json.dumps(manifest, indent=1) + "\n").encode()
-        write_atomic(path.with_suffix(".json"), lambda f: f.write(text))
-        self.prune()
+
+        def manifest() -> bytes:
+            return (json.dumps({"format": FORMAT, "step": int(step), "sha256": hashlib.sha256(data).hexdigest(),
+                                "bytes": len(data), "saved_at": time.time(), "meta": meta or {}}, indent=1) + "\n").encode()
+
+        commit(path.with_suffix(".json"), lambda: write_atomic(path, lambda f: f.write(data)), manifest, self.prune)
         return path
 
     def prune(self) -> None:
-        """Delete all but the newest ``keep`` checkpoints, and what cut writes left (called after a save)."""
+        """Delete all but the newest ``keep`` checkpoints (their companion directories too), and what cut writes
+        left (called after a save)."""
         steps = self.steps()
         for step in steps[: max(0, len(steps) - self.keep)]:
             self.path(step).with_suffix(".json").unlink(missing_ok=True)  # the manifest first: never a .json alone
             self.path(step).unlink(missing_ok=True)
+            for part in self.companions(step):
+                shutil.rmtree(part, ignore_errors=True)
         self.sweep()
 
+    def companions(self, step: int | None = None) -> list[Path]:
+        """The directories beside the files that belong to a checkpoint (``step-<n>.dcp``: a sharded model's
+        shards, written by every rank before the mark); of ``step``, or all."""
+        if not self.dir.is_dir():
+            return []
+        return [p for p in self.dir.iterdir() if (m := _COMPANION.match(p.name)) and p.is_dir()
+                and (step is None or int(m.group(1)) == step)]
+
     def sweep(self) -> None:
-        """Remove the leftovers of writes cut short (a process killed mid-save): temp files, and ``.pt`` files whose
-        manifest was never written. Only the one writer calls it, after its own save completed."""
-        kept = {self.path(step).name for step in self.steps()}
+        """Remove the leftovers of writes cut short (a process killed mid-save): temp files, and ``.pt`` files and
+        companion directories whose manifest was never written. Only the one writer calls it, after its own save
+        completed."""
+        done = set(self.steps())
+        kept = {self.path(step).name for step in done}
         for p in self.dir.iterdir():
             cut_pt = _PT.match(p.name) is not None and p.name not in kept
             if cut_pt or (p.name.startswith(".step-") and p.name.endswith(".tmp")):
                 p.unlink(missing_ok=True)
+        for part in self.companions():
+            if int(_COMPANION.match(part.name).group(1)) not in done:
+                shutil.rmtree(part, ignore_errors=True)
 
     def manifest(self, step: int) -> dict[str, Any]:
         return json.loads(self.path(step).with_suffix(".json").read_text())

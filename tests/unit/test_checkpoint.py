@@ -93,6 +93,53 @@ def test_the_next_save_sweeps_what_cut_writes_left(tmp_path):
     assert aside.exists() and store.steps() == [1, 4] and store.load_latest()[0] == 4
 
 
+def test_commit_writes_the_parts_then_the_mark_then_prunes(tmp_path):
+    """The one save sequence: a failing part leaves no mark and prunes nothing; the mark lands whole (atomic)."""
+    order = []
+    mark = tmp_path / "mark.json"
+    checkpoint.commit(mark, lambda: order.append("parts"), lambda: order.append("mark") or b"{}",
+                      lambda: order.append("prune" if mark.read_bytes() == b"{}" else "prune before the mark"))
+    assert order == ["parts", "mark", "prune"] and [p.name for p in tmp_path.iterdir()] == ["mark.json"]
+
+    def broken():
+        raise OSError("disk gone")
+
+    order.clear()
+    with pytest.raises(OSError, match="disk gone"):
+        checkpoint.commit(tmp_path / "other.json", broken, lambda: b"{}", lambda: order.append("prune"))
+    assert order == [] and not (tmp_path / "other.json").exists()
+
+
+def test_a_failed_prune_leaves_the_new_checkpoint_complete_with_a_warning(tmp_path, monkeypatch):
+    """Rotation comes after the mark: a prune that fails (a read-only old file) must not make a complete
+    checkpoint look unwritten (the session's save would raise 'was not written' on every rank)."""
+    store = CheckpointStore(tmp_path, keep=1)
+    store.save(1, state(1))
+
+    def read_only():
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(store, "prune", read_only)
+    with pytest.warns(CheckpointWarning, match="step-000000002.json is complete, but removing older checkpoints"):
+        assert store.save(2, state(2)) == store.path(2)
+    assert store.steps() == [1, 2] and store.load_latest()[0] == 2
+
+
+def test_companion_shard_directories_are_pruned_with_their_checkpoint_and_swept_when_cut(tmp_path):
+    """A sharded model's step-<n>.dcp (every rank's shards, written before the mark) goes with its checkpoint."""
+    store = CheckpointStore(tmp_path, keep=1)
+    (tmp_path / "step-000000009.pt.damaged").write_bytes(b"set aside")
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"step-{step:09d}.dcp").mkdir()
+        (tmp_path / f"step-{step:09d}.dcp" / "__0_0.distcp").write_bytes(b"shard")
+        if step != 3:  # step 3's save was cut after its shards: no mark
+            store.save(step, state(step))
+        if step == 2:
+            assert sorted(p.name for p in tmp_path.glob("*.dcp")) == ["step-000000002.dcp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004.dcp", "step-000000004.json",
+                                                          "step-000000004.pt", "step-000000009.pt.damaged"]
+
+
 def test_nothing_to_load(tmp_path):
     assert CheckpointStore(tmp_path / "none").load_latest() is None
 

@@ -118,16 +118,14 @@ def save_with_shards(session: Session, directory: str | Path, objects: dict[str,
                      extra: dict | None = None) -> Path | None:
     """A sharded (FSDP2) model: its and the optimizer's shards through DCP, then :func:`save` of the rest.
 
-    ``step-<n>.pt`` (the session, scheduler, ``extra``) is written after every rank's shards, so it marks a
-    complete checkpoint; rank 0 then removes shard directories without one (pruned, or cut).
+    The shards (``step-<n>.dcp``, every rank) are the first part of :func:`omnilearn.checkpoint.commit`'s
+    sequence: ``step-<n>.pt`` (the session, scheduler, ``extra``) and its manifest, the mark, come after every
+    rank's shards; the store then prunes shard directories with their checkpoints and sweeps those of cut saves.
     """
     model, optimizer = objects["model"], objects.get("optimizer")
-    sharded.save_sharded(model, optimizer, directory, session.next_step)
+    sharded.save_sharded(model, optimizer, directory, session.next_step)  # a collective: every rank's shards
     rest = {name: obj for name, obj in objects.items() if name not in ("model", "optimizer")}
-    path = save(session, directory, rest, keep=keep, extra=extra, meta={"sharded": True})
-    if session.is_main:
-        sharded.sweep_sharded(directory)
-    return path
+    return save(session, directory, rest, keep=keep, extra=extra, meta={"sharded": True})
 
 
 def gathered_state(session: Session) -> dict:

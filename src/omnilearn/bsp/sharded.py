@@ -56,15 +56,16 @@ Checkpoints (:func:`save_sharded`, :func:`load_sharded`): the model and
 optimizer through ``torch.distributed.checkpoint`` (each rank writes its
 shards into ``step-<n>.dcp/`` beside ``step-<n>.pt``; DCP reshards on load, so a run resumes at
 another world size), then the session's state (and scheduler, ``extra``)
-in ``step-<n>.pt`` through the usual checksummed store: that file is the
-commit mark, written only after every rank's shards were written.
+in ``step-<n>.pt`` through the usual checksummed store, whose manifest is the
+commit mark, written only after every rank's shards were written
+(:func:`omnilearn.checkpoint.commit`; the store prunes and sweeps the shard
+directories with their checkpoints).
 
 Run: ``python -m pytest -q tests/dist/test_fsdp.py``
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -287,10 +288,3 @@ def load_sharded(model: nn.Module, optimizer, directory: str | Path, step: int) 
                               f"its step-{step}.pt is intact: restore the directory or remove both") from None
     set_state_dict(model, [] if optimizer is None else optimizer, model_state_dict=state["model"],
                    optim_state_dict=state.get("optimizer", {}))
-
-
-def sweep_sharded(directory: str | Path) -> None:
-    """Rank 0: remove ``step-<n>.dcp`` directories whose ``step-<n>.pt`` is gone (pruned, or a cut save)."""
-    for path in Path(directory).glob("step-*.dcp"):
-        if not path.with_suffix(".pt").exists():
-            shutil.rmtree(path, ignore_errors=True)
