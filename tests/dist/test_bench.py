@@ -84,24 +84,30 @@ def test_asp_bench_runs_three_arms_at_equal_time_and_writes_json_table_and_plots
         ("HL8", "uniform", "asp"), ("HL8", "omnilearn", "asp"), ("HL8", "bsp", "bsp")]
     for arm in ("uniform", "omnilearn"):
         r = by[arm]
-        assert r["train_s"]["mean"] == pytest.approx(2.0, abs=0.5)
+        assert r["train_s"]["mean"] >= 2.0  # stopped at the budget: the first request after it (however slow the host)
         assert r["max_staleness"] >= r["mean_staleness"] >= 0 and len(r["updates_per_s_per_worker"]) == 4
         assert [sum(row) for row in r["staleness_histogram"]] == pytest.approx(
             [u * r["train_s"]["mean"] for u in r["updates_per_s_per_worker"]], abs=1)
         assert 0 <= r["accuracy_at_budget"]["mean"] <= 1 and r["accuracy_at_budget"]["per_repeat"] == [
             r["accuracy_at_budget"]["mean"]]
+        assert 0 <= r["accuracy_at_budget_s"]["mean"] <= 2.0  # an ASP arm's last update is applied within the budget
         assert r["time_to_accuracy_s"]["mean"] is not None  # 5% is reached at the first evaluation
     uniform_pushes = [json.loads(line) for line in (out / "HL8-uniform" / "metrics.jsonl").read_text().splitlines()]
     assert {p["batch"] for p in uniform_pushes if p["event"] == "push"} <= set(range(1, 129))  # B/n, or an epoch's end
     assert not any(d.get("changed") for d in uniform_pushes if d["event"] == "decision")
     assert by["bsp"]["max_staleness"] == 0 and by["bsp"]["staleness_histogram"] is None
-    assert by["bsp"]["accuracy_at_budget"]["mean"] is not None
+    # BSP evaluates once per epoch and at its end; on a slow host all may come after the budget: then its first one
+    # stands in, its time says so, and the table marks it late (issue 32: it was None).
+    assert 0 <= by["bsp"]["accuracy_at_budget"]["mean"] <= 1
+    bsp_late = by["bsp"]["accuracy_at_budget_s"]["mean"] > 2.0
     epochs = by["bsp"]["equal_epochs"]  # whole epochs every arm reached, per repeat (1 repeat: --quick)
     assert len(epochs) == 1 and all(r["equal_epochs"] == epochs for r in bench["results"])
     for r in bench["results"]:
         assert (r["accuracy_at_equal_epochs"]["mean"] is None) == (epochs[0] is None)
     table = capsys.readouterr().out
     assert "| HL8 | asp | omnilearn |" in table and "| HL8 | bsp | bsp |" in table
+    rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| HL8 |")}
+    assert [("(late: " in rows[arm]) for arm in ("uniform", "omnilearn", "bsp")] == [False, False, bsp_late]
     assert (out / "bench.md").read_text().startswith("| setting | HL table | arm |")
     for png in ("accuracy.png", "accuracy-HL8.png", "staleness-HL8.png", "HL8-omnilearn/staleness.png",
                 "HL8-uniform/batches.png", "HL8-bsp/batches.png"):

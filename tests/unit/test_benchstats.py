@@ -22,7 +22,8 @@ Checked against hand-computed values on small synthetic BSP runs:
   (spread, verdicts, settling within a control interval), ``add_floor`` (HL1
   balance efficiency), ``fmt_spread`` and ``markdown_table``;
 - ``bench --mode asp``: ``eval_points`` (an ASP eval counts at the time of
-  the push that made its weights), ``accuracy_at_time``, ``epoch_accuracies``
+  the push that made its weights), ``accuracy_at_time``, ``accuracy_by_budget``
+  (the first evaluation after the budget, marked late, when none came by it), ``epoch_accuracies``
   and ``equal_epochs`` (accuracy at equal epochs of data),
   ``staleness_histogram`` / ``add_histograms``, ``spread`` and
   ``asp_markdown_table``.
@@ -547,7 +548,8 @@ def test_settle_steps_counts_to_the_blocks_own_settled_time():
 
 # ---------------------------------------------------------------- bench --mode asp
 
-from omnilearn.experiments.bench.stats import (accuracy_at_time, add_histograms, asp_markdown_table,  # noqa: E402
+from omnilearn.experiments.bench.asptable import asp_markdown_table  # noqa: E402
+from omnilearn.experiments.bench.stats import (accuracy_at_time, accuracy_by_budget, add_histograms,  # noqa: E402
                                               epoch_accuracies, equal_epochs, eval_points, spread, staleness_histogram)
 
 
@@ -582,6 +584,35 @@ def test_accuracy_at_time_is_the_last_evaluation_by_the_budget():
     assert accuracy_at_time(points, 0.5) is None
     assert accuracy_at_time([], 1.0) is None
     assert accuracy_at_time(points, 100.0, last=2) == pytest.approx((0.5 + 0.4) / 2)  # smoothed: the last two
+
+
+def test_accuracy_by_budget_falls_back_to_the_first_evaluation_after_it():
+    points = [(1.0, 0.3), (2.0, 0.5), (3.0, 0.4)]
+    assert accuracy_by_budget(points, 2.5, last=2) == (pytest.approx(0.4), 2.0)  # on time: the latest's time
+    assert accuracy_by_budget(points, 0.5, last=2) == (0.3, 1.0)  # none by the budget: the first, late
+    assert accuracy_by_budget([], 1.0) == (None, None)
+
+
+def test_asp_bench_measure_gives_a_bsp_arm_evaluated_only_after_the_budget_a_late_accuracy(tmp_path):
+    # A slow host: the bsp arm's first epoch and its end both came after the 2 s budget (issue 32: it was None).
+    import json
+
+    from omnilearn.experiments.bench import asp
+    from omnilearn.experiments.bench.bsp import Arm
+    from omnilearn.experiments.config import TrainConfig
+    from omnilearn.experiments.launch.local import Job
+
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 12, "train_s": 3.1, "samples_per_s": 100.0,
+                                                       "test_accuracy": 0.42, "workers": []}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"event": "eval", "epoch": 0, "step": 12, "wall_s": 3.1, "test_accuracy": 0.42}]) + "\n")
+    cfg = TrainConfig(mode="bsp", workers=4, speeds="HL8", max_steps=12, epochs=12, quiet=True)
+    got = asp.measure(Arm("HL8", "bsp", 0, Job(cfg, tmp_path)), 2.0, None)
+    assert (got["accuracy_at_budget"], got["accuracy_at_budget_s"]) == (0.42, 3.1)
+    row = {**got, "train_s": spread([3.1]), "test_accuracy": spread([0.42]),
+           "accuracy_at_budget": spread([0.42]), "accuracy_at_budget_s": spread([3.1]),
+           "time_to_accuracy_s": spread([None]), "equal_epochs": [1]}
+    assert asp_markdown_table([row], 2.0, None).splitlines()[2].split(" | ")[5] == "42.0 (late: 3.1 s)"
 
 
 def test_accuracy_at_epochs_averages_the_last_evaluations_up_to_e():

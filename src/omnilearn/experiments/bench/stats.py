@@ -10,7 +10,8 @@ and wait; for a dynamic routine the reaction and settle time after each speed
 change. Across arms and repeats (paired speed-ups, spread, verdicts, the
 table): :mod:`omnilearn.experiments.bench.summary`. For ``bench --mode asp``:
 accuracy at a training-time budget and at equal epochs of data, staleness
-histograms, repeats as mean and range, and its table.
+histograms, repeats as mean and range (its table:
+:mod:`omnilearn.experiments.bench.asptable`).
 
 Test: ``pytest tests/unit/test_benchstats.py``.
 """
@@ -186,6 +187,25 @@ def accuracy_at_time(points: Sequence[tuple[float, float]], budget_s: float, las
     return fmean(a for _, a in before) if before else None
 
 
+def accuracy_by_budget(points: Sequence[tuple[float, float]], budget_s: float,
+                       last: int = 1) -> tuple[float | None, float | None]:
+    """(accuracy at the budget, training s of the latest evaluation it counts); ``(None, None)`` without evaluations.
+
+    The mean of the ``last`` evaluations at or before ``budget_s``
+    (:func:`accuracy_at_time`). A run whose first evaluation came after the
+    budget (a BSP arm whose first epoch and end both fell past it, on a slow
+    host) is not left without a figure: its first evaluation stands in, and the
+    time returned (above ``budget_s``) says it came late.
+    """
+    on_time = [t for t, _ in points if t <= budget_s]
+    if on_time:
+        return accuracy_at_time(points, budget_s, last), max(on_time)
+    if not points:
+        return None, None
+    at_s, accuracy = min(points)
+    return accuracy, at_s
+
+
 def accuracy_at_epochs(by_epoch: dict[int, float], epochs: int | None, last: int = 1) -> float | None:
     """Mean test accuracy after the ``last`` whole-epoch evaluations up to ``epochs`` (``None``: none)."""
     if epochs is None:
@@ -246,48 +266,3 @@ def spread(values: Sequence[float | None]) -> dict:
     if not values or any(v is None for v in values):
         return {"mean": None, "min": None, "max": None}
     return {"mean": fmean(values), "min": min(values), "max": max(values)}
-
-
-def _fmt(value, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
-def _pct(s: dict) -> str:
-    if s["mean"] is None:
-        return "–"
-    return f"{s['mean'] * 100:.1f}" + (f" ({s['min'] * 100:.1f}–{s['max'] * 100:.1f})" if s["max"] > s["min"] else "")
-
-
-def _epochs(values: Sequence[int | None] | None) -> str:
-    done = sorted({v for v in values or [] if v is not None})
-    return "" if not done else f" @{done[0]}" if len(done) == 1 else f" @{done[0]}–{done[-1]}"
-
-
-def asp_markdown_table(results: Sequence[dict], budget_s: float, target: float | None) -> str:
-    """The ``bench --mode asp`` table, with a footnote on what each column means."""
-    goal = "target" if target is None else f"{target * 100:g}%"
-    lines = [f"| setting | HL table | arm | train s | final test acc % | acc % at budget | acc % at equal epochs | "
-             f"time to {goal} s | mean staleness | p99 staleness | max staleness | mean staleness per worker | "
-             "p99 staleness per worker | updates/s per worker |",
-             "|" + "---|" * 14]
-    for r in results:
-        tta = r.get("time_to_accuracy_s")
-        tta_text = "–" if target is None else "never" if tta["mean"] is None else f"{tta['mean']:.1f}"
-        rates = "/".join(f"{u:.1f}" for u in r.get("updates_per_s_per_worker") or []) or "–"
-        stale = "/".join(f"{u:.1f}" for u in r.get("mean_staleness_per_worker") or []) or "–"
-        p99 = "/".join(str(u) for u in r.get("p99_staleness_per_worker") or []) or "–"
-        at_epochs = r.get("accuracy_at_equal_epochs") or {"mean": None}
-        lines.append(
-            f"| {r['setting']} | {r['levels']} | {r['arm']} | {r['train_s']['mean']:.1f} | "
-            f"{_pct(r['test_accuracy'])} | {_pct(r['accuracy_at_budget'])} | "
-            f"{_pct(at_epochs)}{_epochs(r.get('equal_epochs')) if at_epochs['mean'] is not None else ''} | "
-            f"{tta_text} | {_fmt(r.get('mean_staleness'), '.2f')} | {_fmt(r.get('p99_staleness'), 'd')} | "
-            f"{_fmt(r.get('max_staleness'), 'd')} | {stale} | {p99} | {rates} |")
-    lines.append(f"\nBudget {budget_s:g} s of training per arm (evaluation excluded). Accuracy: mean over repeats "
-                 f"(seeds; min–max); at budget: the mean of the last {SMOOTH_EVALS} evaluations at or before it; at "
-                 f"equal epochs: of the last {SMOOTH_EVALS} up to the largest number of whole epochs of data (@E) "
-                 "that every arm of the setting reached in that repeat (one evaluation moves 2-4 points). "
-                 "asp arms: the ASP HL table, bsp: the BSP table (synchronous: staleness 0, updates/s = steps/s). "
-                 "Mean staleness over all pushes is about workers - 1 whatever the balance; per worker, p99 and "
-                 "max show it (p99 and max: the worst repeat's).")
-    return "\n".join(lines)
