@@ -12,6 +12,16 @@ replica context all-reduces them with SUM across workers. The sum of
 ``(b_i / B) x mean_i`` is the mean over the global batch: every worker
 makes the update one worker with the whole batch would make.
 
+As Keras' own step: the loss is scaled by ``optimizer.scale_loss`` before
+the gradient (a ``LossScaleOptimizer``, which ``compile`` wraps around the
+optimizer under the ``mixed_float16`` policy, unscales, skips non-finite
+steps and updates its scale; a ``loss_scale_factor``); with a
+``LossScaleOptimizer`` one scalar all-reduce more per step makes every
+worker see the same finiteness (:func:`agree_finite`), so all skip the same
+steps. A variable the loss does not reach (gradient ``None``) is left out
+of the update as Keras leaves it out (its optimizer warns, naming it);
+every worker traces the same graph, so the same ones everywhere.
+
 Keras losses divide by the number of replicas under ``tf.distribute``
 (``scale_loss_for_distribution``); a Keras ``Loss`` object is therefore
 used per sample (its reduction set to none) and averaged here, so no
@@ -69,16 +79,33 @@ class TrainStep:
         variables = self.model.trainable_variables
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(self.loss(y, self.model(x, training=True)))
-        grads = [g * tf.cast(scale, g.dtype) for g in tape.gradient(loss, variables)]
-        ready = tf.py_function(self._ready, grads, tf.float32)  # runs after every gradient exists
+            scaled = self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
+        grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in tape.gradient(scaled, variables)]
+        ready = tf.py_function(self._ready, [g for g in grads if g is not None], tf.float32)  # after every gradient
         with tf.control_dependencies([ready]):
-            grads = [tf.identity(g) for g in grads]  # the all-reduce starts after the emulated delay
+            grads = [None if g is None else tf.identity(g) for g in grads]  # the all-reduce starts after the delay
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            grads = agree_finite(grads)
         self.optimizer.apply_gradients(zip(grads, variables))  # SUM all-reduce across workers, then the update
         return loss
 
     def _ready(self, *_grads) -> float:
         self.before_sync()
         return 0.0
+
+
+def agree_finite(grads: list) -> list:
+    """Every worker's gradients non-finite if any worker's are (one scalar SUM all-reduce), None kept as None.
+
+    ``LossScaleOptimizer`` checks its replica's own gradients before the all-reduce and skips the step (halving
+    its scale) where one is not finite: without this, one worker would skip while the others wait in its
+    all-reduce. Poisoned alike, every worker skips the same steps and keeps the same scale.
+    """
+    present = [g for g in grads if g is not None]
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in present])
+    bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(~finite, tf.float32))
+    poison = bad > 0
+    return [None if g is None else tf.where(poison, tf.constant(float("nan"), g.dtype), g) for g in grads]
 
 
 class Gather:
