@@ -3,17 +3,27 @@
 One directory per checkpoint, committed by a rename::
 
     CHECKPOINTS/step-000000040/model.index, model.data-*   tf.train.Checkpoint(model=..., optimizer=...).write
-    CHECKPOINTS/step-000000040/session.json                 step, split, controller, record counters, training time
+    CHECKPOINTS/step-000000040/session.json                 step, split, controller, record counters, training time,
+                                                            the shapes of the model's and optimizer's variables
 
 Who writes what. Every worker calls :meth:`Checkpoints.save` at the same
 step (a control-interval end, so no step's timings are in flight), because
 saving a Keras model under ``MultiWorkerMirroredStrategy`` may read
 variables that all-reduce on read: worker 0 writes into
-``.step-N.tmp-<pid>/``, adds ``session.json`` and renames the directory into
-place (a crash leaves a temporary directory, swept at the next save, never
-a half checkpoint); the other workers write into a temporary directory of
-their own and delete it (TensorFlow's documented pattern). The newest
-``keep`` are kept.
+``.step-N.tmp-<pid>/``, fsyncs the model files, adds ``session.json`` (the
+commit mark: written last, fsynced) and renames the directory into place;
+the other workers write into a temporary directory of their own and delete
+it (TensorFlow's documented pattern). Complete or absent: a step saved
+again (a resumed run stopped where it started) first moves the old one
+aside (``.step-N.old-<pid>``), renames the new one in, then removes the
+aside; a crash between leaves the aside, which counts as that step's
+checkpoint and is put back at the next save; temporary directories are
+swept then. The newest ``keep`` are kept, older ones removed only after the
+new one is committed.
+
+One outcome: after its write every worker joins one gather of "did my
+write fail" (and the ``errno``); if one did, every worker raises
+:class:`CheckpointFailed` naming it: no peer waits for the timeout.
 
 Resuming (:meth:`Checkpoints.restore`, every worker, once the model and the
 data are known): each worker reads the newest committed checkpoint from the
@@ -25,11 +35,16 @@ training time carry on and the split starts afresh from the declared speeds,
 as in the PyTorch runtime (:func:`omnilearn.bsp.checkpointing.load_session_state`).
 Every step's samples depend on neither, so the weights follow the same path.
 
-Run: ``python -m pytest -q tests/tf/test_tf_resume.py``
+A changed model or optimizer is refused, naming where it differs, before
+anything is read (:mod:`omnilearn.tf.changed`); TensorFlow's own check
+(every variable bound to a saved value) runs after the read.
+
+Run: ``python -m pytest -q tests/tf/test_tf_trust.py tests/tf/test_tf_train.py``
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -43,10 +58,16 @@ import tensorflow as tf
 
 from omnilearn.config import ConfigError
 from omnilearn.observe.rundir import write_atomic
+from omnilearn.tf.changed import refuse_changed, shapes
 
 FORMAT = 1
 STATE = "session.json"
 _DIR = re.compile(r"^step-(\d{9,})$")
+_ASIDE = re.compile(r"^\.step-(\d{9,})\.old-\d+$")  # a committed checkpoint moved aside while its step is saved again
+
+
+class CheckpointFailed(RuntimeError):
+    """A worker's checkpoint write failed; raised on every worker alike, naming it."""
 
 
 class Checkpoints:
@@ -62,10 +83,18 @@ class Checkpoints:
 
     def steps(self) -> list[int]:
         """The committed checkpoints' steps, oldest first."""
+        return sorted(self.found())
+
+    def found(self) -> dict[int, Path]:
+        """Each committed step's directory: ``step-N``, or its aside where a crash left only that."""
         if not self.directory.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.directory.iterdir()
-                      if (m := _DIR.match(p.name)) and (p / STATE).is_file())
+            return {}
+        found: dict[int, Path] = {}
+        for p in sorted(self.directory.iterdir(), key=lambda p: not p.name.startswith(".")):  # asides last
+            m = _DIR.match(p.name) or _ASIDE.match(p.name)
+            if m and (p / STATE).is_file():
+                found.setdefault(int(m.group(1)), p)
+        return found
 
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:09d}"
@@ -78,43 +107,107 @@ class Checkpoints:
         return s.should_stop or (self.next_due is not None and s.next_step >= self.next_due)
 
     def save(self) -> Path | None:
-        """Every worker, at the same interval end: worker 0 commits ``step-<next step>``; its path (None elsewhere)."""
+        """Every worker, at the same interval end: worker 0 commits ``step-<next step>``; its path (None elsewhere).
+
+        Every worker learns whether every write succeeded (one gather); if one failed, every worker raises
+        :class:`CheckpointFailed` naming it.
+        """
         s = self.session
         start = time.perf_counter()
-        saver = tf.train.Checkpoint(model=s.model, optimizer=s.optimizer)
         if self.every:
             self.next_due = (s.next_step // self.every + 1) * self.every
-        if not s.is_main:
-            scratch = tempfile.mkdtemp(prefix="omnilearn-tf-ckpt-")
-            try:
-                saver.write(os.path.join(scratch, "model"))
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-            return None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.sweep()
         final = self.path(s.next_step)
-        tmp = self.directory / f".{final.name}.tmp-{os.getpid()}"
-        saver.write(str(tmp / "model"))
-        state = json.dumps(session_state(s), default=float).encode()
-        write_atomic(tmp / STATE, lambda f: f.write(state))
-        if final.exists():  # the same step saved again (a resumed run stopped where it started)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        self.prune()
+        try:
+            self.write(final) if s.is_main else self.write_scratch()
+            failure = None
+        except Exception as e:  # told to every worker below, then raised there too
+            failure = e
+        self.agree(final, failure)
+        if not s.is_main:
+            return None
         if s.telemetry is not None:
             size = sum(p.stat().st_size for p in final.iterdir())
             s.telemetry.checkpoint(s.next_step, size, time.perf_counter() - start)
         return final
 
+    def saver(self) -> tf.train.Checkpoint:
+        return tf.train.Checkpoint(model=self.session.model, optimizer=self.session.optimizer)
+
+    def write_scratch(self) -> None:
+        """A worker other than 0: the same write (it may read variables collectively) into a scratch directory."""
+        scratch = tempfile.mkdtemp(prefix="omnilearn-tf-ckpt-")
+        try:
+            self.saver().write(os.path.join(scratch, "model"))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def write(self, final: Path) -> None:
+        """Worker 0: the model files, fsynced; ``session.json`` last; the rename (see :meth:`commit`); the pruning."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.sweep()
+        tmp = self.directory / f".{final.name}.tmp-{os.getpid()}"
+        try:
+            self.saver().write(str(tmp / "model"))
+            for f in tmp.iterdir():
+                sync(f)
+            state = json.dumps(session_state(self.session), default=float).encode()
+            write_atomic(tmp / STATE, lambda f: f.write(state))  # the commit mark
+            sync(tmp)
+            self.commit(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.prune()
+
+    def commit(self, tmp: Path, final: Path) -> None:
+        """Rename ``tmp`` to ``final``; a ``final`` already there (the same step again) is moved aside first and
+        removed only once the new one is in place."""
+        aside = final.with_name(f".{final.name}.old-{os.getpid()}") if final.exists() else None
+        if aside is not None:
+            os.replace(final, aside)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            if aside is not None:
+                os.replace(aside, final)
+            raise
+        sync(self.directory)
+        if aside is not None:
+            shutil.rmtree(aside)
+
+    def agree(self, final: Path, failure: Exception | None) -> None:
+        """One gather of every worker's outcome; :class:`CheckpointFailed` on every worker if any write failed."""
+        s = self.session
+        code = errno_of(failure) if failure is not None else 0
+        table = s.gather([1.0 if failure is not None else 0.0, float(code)])
+        failed = [r for r in range(s.world_size) if table[r, 0] > 0]
+        if not failed:
+            return
+        rank, code = failed[0], int(table[failed[0], 1])
+        cause = f"{os.strerror(code)} (errno {code})" if code else "see its log"
+        said = f"worker {rank} could not write checkpoint {final} ({cause})"
+        if failure is not None and rank == s.rank:
+            said += f": {type(failure).__name__}: {first_line(failure)}"
+        raise CheckpointFailed(f"{said}; every worker stops (resume from the newest checkpoint once it is mended)")
+
     def sweep(self) -> None:
-        """Remove the temporary directories of saves that never committed (a crash mid-save)."""
+        """Remove the temporary directories of saves that never committed (a crash mid-save); an aside left by a
+        crash goes back in place (or away, if its step was committed again)."""
         for p in self.directory.glob(".step-*.tmp-*"):
             shutil.rmtree(p, ignore_errors=True)
+        for p in self.directory.glob(".step-*.old-*"):
+            m = _ASIDE.match(p.name)
+            final = self.path(int(m.group(1))) if m else None
+            if final is None or (final / STATE).is_file():
+                shutil.rmtree(p, ignore_errors=True)
+            elif (p / STATE).is_file():
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(p, final)
 
     def prune(self) -> None:
-        for step in self.steps()[: -self.keep]:
-            shutil.rmtree(self.path(step), ignore_errors=True)
+        found = self.found()
+        for step in sorted(found)[: -self.keep]:
+            shutil.rmtree(found[step], ignore_errors=True)
 
     def restore(self) -> bool:
         """Every worker: load the newest checkpoint into the model, optimizer and session (False: none yet)."""
@@ -128,7 +221,7 @@ class Checkpoints:
         if newest < 0:
             return False
         start = time.perf_counter()
-        path = self.path(newest)
+        path = self.found()[newest]
         try:
             state = json.loads((path / STATE).read_text())
         except (OSError, ValueError) as e:
@@ -140,7 +233,13 @@ class Checkpoints:
         if not s.optimizer.built:  # Keras builds its slots at the first step; a checkpoint holds them already
             with s.strategy.scope():
                 s.optimizer.build(s.model.trainable_variables)
-        tf.train.Checkpoint(model=s.model, optimizer=s.optimizer).read(str(path / "model")).expect_partial()
+        refuse_changed(path, state, s.model, s.optimizer)
+        status = self.saver().read(str(path / "model")).expect_partial()  # objects saved but unused: Keras' own
+        try:
+            status.assert_existing_objects_matched()
+        except AssertionError as e:
+            raise ConfigError(f"checkpoint {path} does not hold every variable of this model and optimizer "
+                              f"({first_line(e)}): resume with the model and optimizer it was saved from") from None
         load_session_state(s, state)
         if s.telemetry is not None:
             s.telemetry.loaded(time.perf_counter() - start)
@@ -152,7 +251,34 @@ def session_state(s) -> dict[str, Any]:
     return {"format": FORMAT, "world_size": s.world_size, "global_batch": s.global_batch,
             "steps_done": s.steps_done, "next_step": s.next_step, "train_s": s.clock.at_last_step_s,
             "loop": s.loop.state_dict(), "schedule": s.schedule.state_dict(),
-            "telemetry": s.telemetry.state_dict() if s.telemetry is not None else {}}
+            "telemetry": s.telemetry.state_dict() if s.telemetry is not None else {},
+            "variables": {"model": shapes(s.model.weights), "optimizer": shapes(s.optimizer.variables)}}
+
+
+def errno_of(e: BaseException) -> int:
+    """The ``errno`` of the ``OSError`` behind ``e`` (itself, or one it was raised from), else 0."""
+    for _ in range(8):
+        if e is None:
+            return 0
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        e = e.__cause__ or e.__context__
+    return 0
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def sync(path: Path) -> None:
+    """fsync a file (TensorFlow's writes are not) or a directory (so a rename in it survives a crash), where possible."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_session_state(s, state: dict[str, Any]) -> None:
