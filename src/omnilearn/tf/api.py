@@ -20,6 +20,9 @@ from omnilearn.keywords import KEYWORDS, check_keywords, for_world, launched
 from omnilearn.observe.rundir import prepare
 from omnilearn.tf.cluster import from_env, make_strategy
 from omnilearn.tf.session import TFSession, check_supported
+from omnilearn.versions import installed, require_tested
+
+DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "keras")  # whichever TensorFlow is installed, and Keras
 
 
 def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None, local_batch: int | None = None,
@@ -32,6 +35,7 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     ``out/checkpoints``, and the newest loaded before training (:meth:`TFSession.checkpoint_to`); ``omnilearn
     launch`` gives them from its flags.
     """
+    check_versions()
     try:
         settings = launched(settings)  # the flags of ``omnilearn launch`` (omnilearn.experiments.launch.script)
         every, keep = settings.pop("checkpoint_every", 0), settings.pop("keep_checkpoints", 3)
@@ -55,6 +59,14 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     if handle_signals:
         stopping.handle_for_run(cluster.world_size, cluster.is_main, "omnilearn.tf.setup()")
     return session
+
+
+def check_versions() -> None:
+    """Refuse a TensorFlow or Keras outside the tested versions (the door reads private names of both:
+    ``tests/tf/test_tf_private_names.py``); see :mod:`omnilearn.versions`."""
+    for dist in DISTRIBUTIONS:
+        if installed(dist) is not None:
+            require_tested(dist, door="omnilearn.tf")
 
 
 def check_checkpointing(out: str | None, every: Any, resume: Any) -> None:

@@ -126,7 +126,8 @@ def make_strategy(cluster: Cluster, timeout_s: float):
     """This worker's ``MultiWorkerMirroredStrategy`` (waits until every worker of ``TF_CONFIG`` is up).
 
     Made once per process (a second ``setup()`` reuses it). Call it before
-    any other TensorFlow operation: thread counts can only be set before TensorFlow starts.
+    any other TensorFlow operation: thread counts can only be set before TensorFlow starts (after: a
+    ConfigError saying so, not TensorFlow's own RuntimeError).
     A cluster that has not formed within ``timeout_s`` ends this worker naming the missing ones, and a worker
     of a local launcher beats for its watchdog (:mod:`omnilearn.tf.liveness`). TensorFlow's preemption notifier
     takes SIGTERM over (it would swallow it): the handler from before is put back.
@@ -141,8 +142,12 @@ def make_strategy(cluster: Cluster, timeout_s: float):
     if not os.environ.get("TF_CONFIG", "x").strip():
         del os.environ["TF_CONFIG"]  # blank means one worker here; TensorFlow would fail to parse it
     threads = max(1, usable_cpus() // cluster.local_workers())
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError as e:  # "Intra op parallelism cannot be modified after initialization."
+        raise ConfigError(f"TensorFlow already started before omnilearn.tf.setup() ({e}): call omnilearn.tf.setup() "
+                          "before building tf.data pipelines or models (or any other TensorFlow operation)") from None
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
     deadline = liveness.JoinDeadline(cluster.workers, cluster.rank, timeout_s) if cluster.workers else None
     sigterm = signal.getsignal(signal.SIGTERM)

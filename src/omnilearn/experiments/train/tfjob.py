@@ -85,8 +85,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict | None:
     import keras
 
     import omnilearn.tf as oltf
+    from omnilearn.tf.api import check_versions
     from omnilearn.tf.cluster import from_env, make_strategy
 
+    check_versions()
     start = time.perf_counter()
     cluster = from_env()
     strategy = make_strategy(cluster, cfg.timeout_s)

@@ -1,0 +1,105 @@
+"""Every private name (and undocumented behaviour) of TensorFlow and Keras that ``src/omnilearn/tf/`` relies on.
+
+Each test fails loudly, naming what moved, when a release renames, drops or changes the signature of one:
+the versions these tests pass on are the versions ``omnilearn.tf.setup()`` accepts (``require_tested``;
+tested: tensorflow-cpu 2.21.0, keras 3.15.1). What the door uses, and where:
+
+- ``tf.data``: ``dataset._input_dataset`` and the class names ``_BatchDataset``, ``_PaddedBatchDataset``,
+  ``_UnbatchDataset`` (``omnilearn.tf.data.batched_by`` refuses a batched dataset by them);
+- Keras ``Model``: ``model._compile_metrics`` (a ``CompileMetrics``: ``update_state(y_true, y_pred,
+  sample_weight=None)``, ``result``, ``reset_state``, ``variables``) and ``model._loss_tracker``
+  (``omnilearn.tf.fit`` reduces them across workers);
+- Keras, public but load-bearing: ``CallbackList(callbacks, add_history, add_progbar, model, **params)``;
+  ``BackupAndRestore``'s ``backup_dir``, ``save_freq``, ``double_checkpoint``, ``delete_checkpoint``;
+  ``Optimizer.scale_loss(loss)``; a ``LossScaleOptimizer`` that skips a step of non-finite gradients and
+  halves its scale (``omnilearn.tf.steps.agree_finite`` makes every worker see the same finiteness); a Keras 3
+  model's variables checkpointed by position (``omnilearn.tf.changed``).
+
+Run: ``python -m pytest -q tests/tf/test_tf_private_names.py``
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from needs import needs
+
+pytestmark = needs("tensorflow", "tensorflow")
+
+
+def parameters(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+@pytest.fixture(scope="module")
+def tf():
+    import tensorflow
+
+    return tensorflow
+
+
+@pytest.fixture(scope="module")
+def keras():
+    import keras
+
+    return keras
+
+
+def test_tf_data_pipelines_link_to_their_input_and_name_their_batching(tf):
+    examples = tf.data.Dataset.from_tensor_slices((np.zeros((4, 2)), np.zeros(4)))
+    for dataset, name in [(examples.batch(2), "_BatchDataset"), (examples.padded_batch(2), "_PaddedBatchDataset"),
+                          (examples.batch(2).unbatch(), "_UnbatchDataset")]:
+        assert type(dataset).__name__ == name, f"tf.data renamed {name}: omnilearn.tf.data.batched_by reads it"
+    prefetched = examples.batch(2).prefetch(1)
+    assert type(prefetched._input_dataset).__name__ == "_BatchDataset", "tf.data moved Dataset._input_dataset"
+
+
+def test_a_compiled_model_keeps_its_metrics_and_loss_tracker(keras):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    compiled, tracker = model._compile_metrics, model._loss_tracker
+    assert isinstance(tracker, keras.metrics.Mean)
+    assert parameters(type(compiled).update_state) == ["self", "y_true", "y_pred", "sample_weight"]
+    for name in ("result", "reset_state", "variables"):
+        assert hasattr(compiled, name), f"Keras' CompileMetrics lost {name}"
+    assert [m.name for m in model.metrics] == ["loss", "compile_metrics"]
+
+
+def test_keras_callback_list_and_backup_and_restore_keep_what_fit_reads(keras, tmp_path):
+    assert parameters(keras.callbacks.CallbackList.__init__) == ["self", "callbacks", "add_history", "add_progbar",
+                                                                 "model", "params"]
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=5, double_checkpoint=True,
+                                              delete_checkpoint=False)
+    assert (backup.backup_dir, backup.save_freq, backup.double_checkpoint, backup.delete_checkpoint) == (
+        str(tmp_path), 5, True, False)
+
+
+def test_optimizers_scale_the_loss_and_a_loss_scale_optimizer_skips_non_finite_steps(keras, tf):
+    assert parameters(keras.optimizers.Optimizer.scale_loss) == ["self", "loss"]
+    assert parameters(keras.optimizers.LossScaleOptimizer.scale_loss) == ["self", "loss"]
+    variable = keras.Variable([1.0])
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8.0)
+    assert float(optimizer.scale_loss(tf.constant(2.0))) == 16.0
+    optimizer.apply_gradients([(tf.constant([float("nan")]), variable)])
+    assert float(variable.numpy()[0]) == 1.0 and float(optimizer.scale_loss(tf.constant(1.0))) == 4.0
+    optimizer.apply_gradients([(tf.constant([4.0]), variable)])  # unscaled by 4: 1 - 0.5 * 1
+    assert float(variable.numpy()[0]) == 0.5 and int(optimizer.iterations.numpy()) == 1
+
+
+def test_a_keras_model_is_checkpointed_by_position(keras, tf, tmp_path):
+    """Why ``omnilearn.tf.changed`` compares shapes by position: names are not what a checkpoint matches."""
+    def model(name: str):
+        return keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, name=name)])
+
+    saved, other = model("first"), model("renamed")
+    saved.set_weights([np.ones((2, 3)), np.ones(3)])
+    optimizer = keras.optimizers.SGD()
+    optimizer.build(saved.trainable_variables)
+    tf.train.Checkpoint(model=saved, optimizer=optimizer).write(str(tmp_path / "model"))
+    optimizer = keras.optimizers.SGD()
+    optimizer.build(other.trainable_variables)
+    tf.train.Checkpoint(model=other, optimizer=optimizer).read(str(tmp_path / "model")).assert_consumed()
+    assert np.array_equal(other.get_weights()[0], np.ones((2, 3)))
