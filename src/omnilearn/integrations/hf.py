@@ -21,11 +21,9 @@ wrapper function would return a subclass anyway. What it changes in Trainer:
   handed to Trainer one by one. Evaluation stays Trainer's (accelerate
   shards it over the ranks, ``gather_for_metrics`` drops its padding).
 - **Weighting**: ``training_step`` counts each micro-batch's loss terms with
-  Trainer's own rule (labels ``!= -100``, shifted for causal LMs, also
-  those like GPT-2 whose config names no ``loss_type``, which Trainer
-  counts unshifted), passes
-  that count as ``num_items_in_batch`` (so the model's loss is the
-  micro-batch's mean), cancels Trainer's ``x world size`` of
+  Trainer's own rule (labels ``!= -100``, shifted for causal LMs, also GPT-2
+  whose config names no ``loss_type``), passes that count as
+  ``num_items_in_batch`` (the model's loss is the micro-batch's mean), cancels Trainer's ``x world size`` of
   ``average_tokens_across_devices`` and calls ``Session.backward(loss,
   count=n)``: the update is the mean over every term of the global batch,
   whatever the split and either value of ``average_tokens_across_devices``.
@@ -37,16 +35,22 @@ wrapper function would return a subclass anyway. What it changes in Trainer:
   Trainer after a checkpoint.
 - **Checkpoints**: every ``save_steps`` checkpoint folder holds
   ``omnilearn_session.pt`` (:meth:`Session.state_dict` of every rank,
-  gathered to rank 0); ``train(resume_from_checkpoint=...)`` loads it, and
-  the session's sampler continues the data where it stopped (Trainer's own
-  batch skipping is turned off). Another world size resumes too (elastic).
+  gathered to rank 0), written last and atomically, before Trainer's
+  ``save_total_limit`` rotation runs (:mod:`.hf_checkpoint`: complete or
+  absent; ``save_on_each_node`` honoured); ``train(resume_from_checkpoint=...)``
+  loads it (``True``: the newest complete folder), and the session's sampler
+  continues the data where it stopped (Trainer's own batch skipping is
+  turned off). Another world size resumes too (elastic).
+- **Arguments** (:mod:`.hf_args`): Trainer's DDP keywords reach
+  ``Session.wrap_model``, its seed (``data_seed``, else ``seed``) seeds the
+  sampler; what cannot be honoured is refused in one line, as are an
+  ``IterableDataset`` for training, a second ``train()`` on one trainer and a
+  checkpoint without session state. docs/huggingface.md lists every field.
 
-Refused in one line: ``fp16`` (GradScaler), DeepSpeed, FSDP, several GPUs
-per process, ``auto_find_batch_size``, ``group_by_length``,
-``ignore_data_skip``, an ``IterableDataset`` for training, a second
-``train()`` on one trainer, a checkpoint without session state.
+The private names of transformers and accelerate used here are pinned by
+tests/unit/test_hf_private_names.py; versions outside ``TESTED`` are refused.
 
-Run: ``python -m pytest -q tests/dist/test_hf_exact.py tests/examples/test_hf_trainer.py``
+Run: ``python -m pytest -q tests/dist/test_hf_exact.py tests/dist/test_hf_trust.py tests/unit/test_hf_private_names.py``
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -67,31 +72,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       ) from e
 
 from omnilearn.bsp.setup import setup as setup_session
-from omnilearn.bsp.checkpointing import gathered_state
 from omnilearn.config import ConfigError
+from omnilearn.integrations import hf_checkpoint
+from omnilearn.integrations.hf_args import ddp_kwargs, in_door_words, refusals, session_settings
+from omnilearn.integrations.hf_checkpoint import SESSION_FILE
+from omnilearn.versions import require_tested
 
-SESSION_FILE = "omnilearn_session.pt"  # in each checkpoint folder: the session state of every rank
-
-
-def refusals(args: Any) -> list[str]:
-    """The ``TrainingArguments`` OmniLearnTrainer cannot honour, each as a one-line reason with its fix."""
-    bad = []
-    if args.fp16:
-        bad.append("fp16=True (its GradScaler scales the loss outside OmniLearn's weighting): use bf16=True or fp32")
-    if getattr(args, "deepspeed", None):
-        bad.append(f"deepspeed={args.deepspeed!r}: OmniLearn balances DDP only; drop deepspeed")
-    if getattr(args, "fsdp", None):
-        bad.append(f"fsdp={args.fsdp!r}: OmniLearn's Trainer wraps DDP only; drop fsdp, or for a sharded model "
-                   "train it in your own loop with fully_shard and ol.wrap_model (docs/fsdp.md)")
-    if args.n_gpu > 1:
-        bad.append(f"{args.n_gpu} GPUs in one process (DataParallel): launch one process per GPU with torchrun")
-    if args.auto_find_batch_size:
-        bad.append("auto_find_batch_size=True: OmniLearn sets the batches; use omnilearn=dict(max_batch=...)")
-    if getattr(args, "group_by_length", False):
-        bad.append("group_by_length=True: OmniLearn's sampler replaces Trainer's; drop group_by_length")
-    if args.ignore_data_skip:
-        bad.append("ignore_data_skip=True: a resumed OmniLearn run always continues the data; drop it")
-    return bad
+__all__ = ["OmniLearnTrainer", "SESSION_FILE", "refusals"]
 
 
 @contextlib.contextmanager
@@ -142,22 +129,16 @@ class OmniLearnTrainer(Trainer):
     """``transformers.Trainer`` with OmniLearn's balanced batches, exact weighting and controller (module docstring)."""
 
     def __init__(self, *args: Any, omnilearn: dict | None = None, **kwargs: Any) -> None:
+        require_tested("transformers", door="OmniLearnTrainer")
+        require_tested("accelerate", door="OmniLearnTrainer")
         super().__init__(*args, **kwargs)
         bad = refusals(self.args)
         if bad:
             raise ConfigError(f"OmniLearnTrainer: {bad[0]}")
-        settings = dict(omnilearn or {})
-        k = self.args.gradient_accumulation_steps
-        if settings.setdefault("accumulation_steps", k) != k:
-            raise ConfigError(f"omnilearn=dict(accumulation_steps={settings['accumulation_steps']}) differs from "
-                              f"gradient_accumulation_steps={k}: give gradient_accumulation_steps only")
-        if "global_batch" not in settings:
-            settings.setdefault("local_batch", self.args.per_device_train_batch_size * k)
-        settings.setdefault("device", "cuda" if self.args.device.type == "cuda" else "cpu")
-        steps = self.args.max_steps if self.args.max_steps > 0 else None
-        self.session = setup_session(total_steps=settings.pop("total_steps", steps), **settings)
+        self.session = setup_session(**session_settings(self.args, omnilearn))
         self.omnilearn_summary: dict | None = None
         self._session_state: dict | None = None  # loaded from a checkpoint, applied once the loader exists
+        self._resumed_from: str | None = None
         self._trained = False
         self.accelerator.no_sync = _session_syncs
         self.add_callback(_StepEnd(self))
@@ -171,28 +152,49 @@ class OmniLearnTrainer(Trainer):
             raise ConfigError(f"train_dataset is an IterableDataset ({type(dataset).__name__}): OmniLearnTrainer "
                               "needs a map-style dataset (len and __getitem__)")
         if self.session.loader is None:
-            collator = self.data_collator
-            if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):  # a datasets.Dataset
-                dataset = self._remove_unused_columns(dataset, description="training")
-            else:
-                collator = self._get_collator_with_removed_columns(collator, description="training")
-            a = self.args
-            self.session.data_loader(dataset, collate_fn=collator, num_workers=a.dataloader_num_workers,
-                                     pin_memory=a.dataloader_pin_memory, prefetch_factor=a.dataloader_prefetch_factor)
-            if self._session_state is not None:
-                self.session.load_state_dict(self._session_state)
-                self._session_state = None
+            self._make_loader(dataset)
+            self._restore_session()
         return _MicroBatches(self.session)
+
+    def _make_loader(self, dataset) -> None:
+        """``Session.data_loader`` with Trainer's collator, column removal and loader settings (hf_args)."""
+        collator = self.data_collator
+        if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):  # a datasets.Dataset
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        a = self.args
+        self.session.data_loader(dataset, collate_fn=collator, num_workers=a.dataloader_num_workers,
+                                 pin_memory=a.dataloader_pin_memory, prefetch_factor=a.dataloader_prefetch_factor)
+        left = len(dataset) % self.session.global_batch
+        if left and not a.dataloader_drop_last:
+            warnings.warn(f"dataloader_drop_last=False: OmniLearn's sampler leaves out each epoch's last {left} of "
+                          f"{len(dataset)} samples (the global batch is {self.session.global_batch}; the shuffle "
+                          "changes every epoch); set dataloader_drop_last=True to say so", UserWarning, stacklevel=3)
+
+    def _restore_session(self) -> None:
+        """The checkpoint's session state, once the loader exists; a refusal names this door's keywords."""
+        if self._session_state is None:
+            return
+        state, self._session_state = self._session_state, None
+        try:
+            self.session.load_state_dict(state)
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"OmniLearnTrainer: resume_from_checkpoint={self._resumed_from}: "
+                              f"{in_door_words(str(e))}") from None
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if not training:
             return super()._wrap_model(model, training, dataloader)
-        if self.session.model is None:
-            self.session.wrap_model(self.accelerator.unwrap_model(model))
+        if self.session.model is None:  # with the DDP keywords Trainer gives accelerate (ddp_find_unused_parameters...)
+            self.session.wrap_model(self.accelerator.unwrap_model(model), **ddp_kwargs(self._ddp_handler_kwargs()))
         wrapped = self.session.model
         if wrapped is self.model:  # one process: Trainer's accelerator.prepare() places it, as usual
             return wrapped
         return self.accelerator.prepare_model(wrapped, device_placement=False, evaluation_mode=True)  # autocast only
+
+    def _ddp_handler_kwargs(self) -> dict:  # what Trainer made accelerate's DDP keywords
+        return self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
 
     # --- weighting ------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
@@ -255,23 +257,30 @@ class OmniLearnTrainer(Trainer):
         return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's folder, then the session file (its commit mark), then Trainer's rotation (module docstring of
+        :mod:`omnilearn.integrations.hf_checkpoint`): a kill at any point leaves a complete checkpoint to resume."""
         if not self.session.interval_ended:
             self.session.sync_buffers()
-        super()._save_checkpoint(model, trial)
-        state = gathered_state(self.session)  # a collective: every rank
-        if not self.session.is_main or not self.args.should_save:
-            return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        tmp = os.path.join(folder, SESSION_FILE + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, os.path.join(folder, SESSION_FILE))
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotation waits for the session file
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        hf_checkpoint.save_session(self.session, folder, writer=self.args.should_save,
+                                   each_node=self.args.save_on_each_node)
+        if self.args.should_save:
+            hf_checkpoint.rotate(run_dir, limit, keep=folder, best=self.state.best_model_checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         path = os.path.join(resume_from_checkpoint, SESSION_FILE)
         if not os.path.isfile(path):
-            raise ConfigError(f"{resume_from_checkpoint} has no {SESSION_FILE} (not saved by OmniLearnTrainer): "
-                              "the data position is unknown; resume from a checkpoint OmniLearnTrainer wrote")
+            raise ConfigError(f"{resume_from_checkpoint} has no {SESSION_FILE} (not saved by OmniLearnTrainer, or cut "
+                              "short mid-save): the data position is unknown; resume from a checkpoint "
+                              "OmniLearnTrainer completed (resume_from_checkpoint=True finds the newest)")
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._resumed_from = resume_from_checkpoint
         self._session_state = torch.load(path, map_location="cpu", weights_only=True)
 
     # --- the run --------------------------------------------------------------------------------------------
@@ -284,6 +293,8 @@ class OmniLearnTrainer(Trainer):
             raise RuntimeError("OmniLearnTrainer.train() was already called: one run per trainer (its session "
                                "holds the data position); make a new OmniLearnTrainer to train again")
         self._trained = True
+        if resume_from_checkpoint is True:  # Trainer would take the newest folder, complete or not
+            resume_from_checkpoint = hf_checkpoint.latest_complete(self.args.output_dir)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         self.omnilearn_summary = self.session.finish()
         return output
