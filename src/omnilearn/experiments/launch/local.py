@@ -59,6 +59,7 @@ from omnilearn.distributed import group
 from omnilearn.distributed.watchdog import (SERVER, Watchdog, exit_on_lost, rank_name, read_error_logs,
                                             start_watchdog, write_error_log)
 from omnilearn.experiments.config import TrainConfig
+from omnilearn.experiments.launch.grace import StopWait
 from omnilearn.observe.console import startup, took
 from omnilearn.runplan import SpeedScheduleWarning
 from omnilearn.experiments.launch.supervise import (PIDS_FILE, Interrupted, Rules, SignalTrap, WorkerFailed, Workers, outcome,
@@ -252,7 +253,8 @@ def run_local(jobs: Sequence[Job], log_dir: Path) -> None:
             startup(f"starting {_describe(jobs[0].cfg)} ...", jobs[0].cfg.quiet)
             args = (list(jobs), log_dir, store, os.getpid(), time.time())
             workers.start(processes(jobs[0].cfg), _spawned, args, log_dir, trap)
-            interrupted, failed = supervise(workers, trap, rules)
+            stop_wait = StopWait([job.run_dir for job in jobs], max(job.cfg.control_interval for job in jobs))
+            interrupted, failed = supervise(workers, trap, rules, stop_wait)
         finally:
             workers.kill("as the launcher failed")  # none left but after an error in the launcher itself
             shutil.rmtree(store, ignore_errors=True)

@@ -9,8 +9,11 @@ SIGKILL ends it after a grace period. A rank that raises writes
 exits 1; so does its heartbeat watchdog (:mod:`omnilearn.distributed.watchdog`)
 when a watched peer stops beating, naming that peer. A rank that stopped on
 request exits 128 + the signal. SIGINT, SIGTERM or SIGHUP to the launcher
-(:class:`SignalTrap`) gets every rank SIGTERM, :data:`STOP_GRACE_S`, then
-SIGKILL (a second signal: at once), and raises :class:`Interrupted`.
+(:class:`SignalTrap`) gets every rank SIGTERM, a grace measured from the
+run's pace (:class:`~omnilearn.experiments.launch.grace.StopWait`: an
+interval of steps and a save, counted again while they progress toward
+the stop), then SIGKILL (a second signal: at once), and raises
+:class:`Interrupted`.
 
 What an exit means (:class:`Rules`):
 
@@ -76,9 +79,9 @@ import torch.multiprocessing as mp
 
 from omnilearn.config import ConfigError
 from omnilearn.experiments.launch import freshchild
+from omnilearn.experiments.launch.grace import StopWait
 from omnilearn.distributed.watchdog import SERVER, ErrorLog, hung_rank, rank_name, read_error_log, read_error_logs
 
-STOP_GRACE_S = 8.0  # after SIGTERM on an interrupt: time to reach a safe point and checkpoint, then SIGKILL
 FAILURE_GRACE_S = 2.0  # after a rank failed: its peers are stuck in collectives with it (ASP: lost the server)
 SERVED_GRACE_S = 10.0  # ASP: after the server finished, its workers (told to stop) have this long to end
 CONSEQUENCE_S = 1.0  # peers' errors written this soon before a dead rank was seen are caused by it
@@ -344,24 +347,32 @@ class Rules:
         return log is not None and log.stamp >= self.since and hung_rank(log.cause) == SERVER
 
 
-def supervise(workers: Workers, trap: SignalTrap, rules: Rules) -> tuple[int | None, Exit | None]:
-    """Wait for every worker; (the signal that interrupted the launch, the exit that failed the run), None if not."""
+def supervise(workers: Workers, trap: SignalTrap, rules: Rules,
+              stop_wait: StopWait | None = None) -> tuple[int | None, Exit | None]:
+    """Wait for every worker; (the signal that interrupted the launch, the exit that failed the run), None if not.
+    ``stop_wait``: how long a stop on request may take (default: read from ``rules.log_dir``)."""
     interrupted, failed, deadline = None, None, math.inf
+    stop_wait = stop_wait or StopWait([rules.log_dir])
     while workers.alive():
         for e in workers.reap(POLL_S):
             meaning = rules.judge(e)
             if meaning == STOPPED and not workers.stopping:  # stopped on its own request: let the rest stop too
-                workers.stopping, deadline = True, time.monotonic() + STOP_GRACE_S
+                workers.stopping = True
+                stop_wait.begin()
             elif meaning == FAILED and failed is None and interrupted is None:
                 failed, deadline = e, workers.ask_to_stop(FAILURE_GRACE_S)
             elif meaning == SERVED:  # its live workers were told to stop; a dropped one may hang
                 deadline = min(deadline, time.monotonic() + SERVED_GRACE_S)
         if trap.received and interrupted is None and failed is None:
-            interrupted, deadline = trap.received[0], workers.ask_to_stop(STOP_GRACE_S)
+            interrupted = trap.received[0]
+            workers.ask_to_stop(math.inf)
+            stop_wait.begin()
         if len(trap.received) > 1:  # a second signal: no more waiting
             workers.kill("on a second signal")
         elif time.monotonic() > deadline:
             workers.kill("after the grace period")
+        elif failed is None and stop_wait.overdue():
+            workers.kill(stop_wait.why())
     return (interrupted or (trap.received[0] if trap.received and failed is None else None)), failed
 
 

@@ -20,8 +20,11 @@ workers seen failing together, one killed by a signal: its peers' errors
 follow from its death); with ``--max-restarts K`` every worker starts again
 from the newest checkpoint, up to K times
 (:func:`omnilearn.experiments.train.restarts.with_restarts`). SIGINT or
-SIGTERM to the launcher stops every worker the same way
-(:class:`~omnilearn.experiments.launch.supervise.Interrupted`). Worker
+SIGTERM to the launcher gets every worker SIGTERM: they agree on the stop
+at their next interval end and checkpoint there, and are SIGKILLed only
+once overdue by the pace-measured grace both launchers use
+(:class:`~omnilearn.experiments.launch.grace.StopWait`), or on a second
+signal (:class:`~omnilearn.experiments.launch.supervise.Interrupted`). Worker
 processes sit in their own process group and die with the launcher
 (parent-death signal).
 
@@ -50,6 +53,7 @@ from omnilearn.experiments.launch.supervise import (
     signal_name,
     start_method,  # re-exported: the commands check it before they write anything
 )
+from omnilearn.experiments.launch.grace import StopWait
 from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent
 from omnilearn.experiments.train import restarts
 from omnilearn.experiments.train.tfjob import JOB_CONFIG_ENV
@@ -58,7 +62,7 @@ from omnilearn.tf import liveness
 from omnilearn.tf.cluster import LOCAL_WORKERS_ENV, free_ports, local_config
 from omnilearn.tf.liveness import BEAT_DIR_ENV
 
-GRACE_S = 3.0  # after SIGTERM: time to leave a collective, then SIGKILL
+GRACE_S = 3.0  # after a failure or a hang, SIGTERM: time to leave a collective, then SIGKILL
 POLL_S = 0.1
 SETTLE_S = 0.5  # after a worker's error, how long a peer's death by a signal may take to be seen (the cause)
 
@@ -130,6 +134,25 @@ def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
     deadline = time.monotonic() + grace_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(POLL_S)
+    _kill_running(procs)
+
+
+def stop_on_request(procs: list[subprocess.Popen | Forked], trap: SignalTrap, wait: StopWait) -> str:
+    """SIGTERM to every running worker (they stop at their next interval end, after a checkpoint); SIGKILL to those
+    still running once ``wait`` says they are overdue, or on a second signal. Why they were killed ('' if not)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    wait.begin()
+    why = ""
+    while any(p.poll() is None for p in procs) and not why:
+        why = "on a second signal" if len(trap.received) > 1 else wait.why() if wait.overdue() else ""
+        time.sleep(0 if why else POLL_S)
+    _kill_running(procs)
+    return why
+
+
+def _kill_running(procs: list[subprocess.Popen | Forked]) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
@@ -144,7 +167,7 @@ def run_local(cfg: TrainConfig, run_dir: Path) -> None:
         def attempt(resume: bool) -> None:
             settings = dump_toml(dataclasses.replace(cfg, resume=resume))  # this attempt's: --workers may differ
             supervise(cfg.workers, cfg.device, run_dir, command, {JOB_CONFIG_ENV: settings}, quiet=cfg.quiet,
-                      heartbeat_s=cfg.heartbeat_s, server=server)
+                      heartbeat_s=cfg.heartbeat_s, server=server, interval=cfg.control_interval)
 
         restarts.with_restarts(attempt, run_dir, cfg.max_restarts, cfg.resume, "tf-worker*.log",
                                lambda: tf_checkpoint(run_dir))
@@ -157,9 +180,11 @@ def tf_checkpoint(run_dir: Path) -> str:
 
 
 def supervise(workers: int, device: str, run_dir: Path, command: list[str], extra_env: dict[str, str] | None = None,
-              quiet: bool = False, heartbeat_s: float | None = None, server: ForkServer | None = None) -> None:
+              quiet: bool = False, heartbeat_s: float | None = None, server: ForkServer | None = None,
+              interval: int | None = None) -> None:
     """Run ``command`` as ``workers`` TensorFlow workers to the end; raise WorkerFailed (or Interrupted) naming the
     cause: a worker that exits badly, or one silent for ``heartbeat_s`` (:func:`omnilearn.tf.liveness.silent`).
+    ``interval``: the workers' control interval, for the grace of a stop (None: the run's ``config.toml`` says).
     Also the launcher of a user's own script (:mod:`omnilearn.experiments.launch.script`)."""
     how = ("forked from one process that imports TensorFlow once" if server is not None else
            "each imports TensorFlow: seconds")
@@ -174,9 +199,10 @@ def supervise(workers: int, device: str, run_dir: Path, command: list[str], extr
         try:
             while any(p.poll() is None for p in procs):
                 if trap.received:
-                    stop(procs)
+                    killed = stop_on_request(procs, trap, StopWait([run_dir], interval))
                     signum = trap.received[0]
-                    raise Interrupted(signum, f"stopped by {signal_name(signum)}: every worker was stopped")
+                    raise Interrupted(signum, f"stopped by {signal_name(signum)}: every worker was asked to stop "
+                                              f"(SIGTERM){'; SIGKILLed ' + killed if killed else ''}")
                 if any(p.poll() not in (None, 0) for p in procs):
                     first = first_failed(procs)
                     break
