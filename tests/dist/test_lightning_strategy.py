@@ -2,7 +2,8 @@
 
 - Strategy keywords go to Lightning's ``DDPStrategy``, to DDP (``Session.wrap_model``)
   or to ``omnilearn.setup()``; ``accumulation_steps``, ``total_steps``,
-  ``device``, DDP comm hooks and buffer broadcasting are refused in one line
+  ``device``, DDP comm hooks, DDP's ``mixed_precision`` and delayed all-reduce,
+  and buffer broadcasting are refused in one line
   naming the route that works (the 2-rank run in ``test_lightning_exact.py``
   checks that DDP arguments reach the wrapped model).
 - The training ``DataLoader``'s ``worker_init_fn``, ``pin_memory`` and
@@ -50,6 +51,8 @@ def run(loader: DataLoader, model: pl.LightningModule | None = None, ckpt: str |
     ("accumulation_steps", "Trainer\\(accumulate_grad_batches=K\\)"), ("total_steps", "Trainer\\(max_steps=N\\)"),
     ("device", "Trainer\\(accelerator=..., devices=...\\)"), ("ddp_comm_hook", "weighted all-reduce is the model's"),
     ("broadcast_buffers", "averages buffers"), ("bogus", "unknown keyword bogus"),
+    ("mixed_precision", "registers its own comm hook"), ("delay_all_reduce_named_params", "outside the comm hook"),
+    ("param_to_hook_all_reduce", "outside the comm hook"),
 ])
 def test_keywords_omnilearn_cannot_honour_are_refused_naming_the_route(keyword, route):
     with pytest.raises(ConfigError, match=route):

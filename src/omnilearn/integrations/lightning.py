@@ -10,10 +10,16 @@ Lightning's DDP strategy with an OmniLearn session inside, one per ``fit()``
 
 - the model is wrapped by ``Session.wrap_model`` (DDP with the weighted
   gradient hook; DDP keyword arguments given to the strategy reach it);
+- the batch: ``global_batch``/``local_batch`` if given, else the training
+  ``DataLoader``'s ``batch_size`` x ``accumulate_grad_batches`` per process,
+  as DDP would train (:mod:`omnilearn.integrations.lightning_session`);
 - the training ``DataLoader`` is rebuilt by ``Session.data_loader`` with its
   own settings (:mod:`omnilearn.integrations.lightning_data`): each step
-  hands this worker its share ``b_i`` of the global batch; validation, test
-  and predict loaders are sharded, disjoint, over the ranks;
+  hands this worker its share ``b_i`` of the global batch; validation and
+  test loaders are sharded, disjoint, over the ranks; predict is sharded by
+  Lightning itself, as under ``DDPStrategy`` (each sample once). The
+  Trainer's ``use_distributed_sampler=False`` leaves evaluation loaders as
+  they are;
 - ``Trainer(accumulate_grad_batches=K)`` becomes the session's exact
   accumulation: each optimizer step is ``K`` micro-batches of the worker's
   share; Lightning's ``backward`` goes through ``Session.backward`` (the
@@ -23,12 +29,15 @@ Lightning's DDP strategy with an OmniLearn session inside, one per ``fit()``
   is Lightning's ``global_step`` (checked every step); every control
   interval the controller may move batches; rank 0 logs each worker's batch
   as ``omnilearn/batch_rank<i>``;
-- validation inside fit is left out of the training time and of the next
-  step's compute;
+- validation inside fit sees equal BatchNorm statistics on every rank
+  (``Session.sync_buffers()`` first, unless a control interval just ended)
+  and is left out of the training time and of the next step's compute;
 - checkpoints: ``ol.state_dict()`` (every rank's part, gathered on rank 0)
   rides in Lightning's checkpoint under ``"omnilearn"``; ``fit(ckpt_path=...)``
   loads it into the new session, so data, controller and step count continue
   where they stopped (at another world size too: the split is re-planned);
+  one saved with another seed, dataset length or steps per epoch is refused
+  in one line naming the strategy's keyword;
 - ``on_train_end``: ``Session.finish()`` (``strategy.summary`` on rank 0;
   with ``out=``, the run directory); teardown releases the wrapped model;
 - a second ``fit()`` on the same Trainer continues the run (its session
@@ -38,15 +47,20 @@ Lightning's DDP strategy with an OmniLearn session inside, one per ``fit()``
 
 Refused in one line (:mod:`omnilearn.integrations.lightning_options`): DDP
 comm hooks and model averaging, buffer broadcasting, ``total_steps`` /
-``accumulation_steps`` / ``device`` keywords (the Trainer's), more than one
-optimizer, an overridden ``LightningModule.backward``, a changing
+``accumulation_steps`` / ``device`` keywords (the Trainer's), DDP's
+``mixed_precision`` and delayed all-reduce, the Trainer's ``16-mixed``
+``GradScaler``, ``sync_batchnorm``, ``limit_train_batches`` /
+``fast_dev_run`` / ``overfit_batches``, more than one optimizer, an
+overridden ``LightningModule.backward``, a changing
 ``accumulate_grad_batches``, a resume from a checkpoint without OmniLearn's
-state. Lightning's ``use_distributed_sampler`` is not used (OmniLearn shards
-training and evaluation itself); Lightning handles SIGTERM
+state (docs/lightning.md lists every flag, honoured or refused). Lightning
+versions outside the tested range are refused at setup
+(:func:`omnilearn.versions.require_tested`). Lightning handles SIGTERM
 (``handle_signals=False`` unless given). Custom loops: Lightning Fabric's
 :class:`~omnilearn.integrations.lightning_fabric.OmniLearnFabricStrategy`; the guide is docs/lightning.md.
 
 Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py tests/dist/test_lightning_exact.py
+tests/dist/test_lightning_trust.py tests/dist/test_lightning_resume.py tests/unit/test_lightning_private_names.py
 tests/examples/test_lightning_example.py``
 """
 
@@ -69,7 +83,9 @@ from omnilearn.bsp.checkpointing import gathered_state
 from omnilearn.bsp.wrap import release
 from omnilearn.config import ConfigError
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
-from omnilearn.integrations.lightning_options import refuse_sharded, split_options
+from omnilearn.integrations.lightning_options import refuse_sharded, refuse_trainer_flags, split_options
+from omnilearn.integrations.lightning_session import load_resumed, with_loader_batch
+from omnilearn.versions import require_tested
 
 STATE_KEY = "omnilearn"  # the session's state in a Lightning checkpoint
 
@@ -113,11 +129,23 @@ class OmniLearnStrategy(DDPStrategy):
         self._last_state: dict | None = None  # the previous fit's session state (a second fit continues it)
         self._carry: dict | None = None  # the state the next training loader's session loads
         self._paused = None
+        self._sampler_choice: tuple[int, bool] | None = None  # (the Trainer, its use_distributed_sampler)
+
+    @property
+    def evaluation_sharded(self) -> bool:
+        """The Trainer's ``use_distributed_sampler``: True shards validation, test and predict over the ranks."""
+        return self._sampler_choice is None or self._sampler_choice[1]
 
     # --- the session's life: one per fit ---------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
-        trainer._accelerator_connector.use_distributed_sampler = False  # OmniLearn shards training and evaluation
+        require_tested("lightning", door="OmniLearnStrategy")
+        connector = trainer._accelerator_connector
+        if self._sampler_choice is None or self._sampler_choice[0] != id(trainer):
+            self._sampler_choice = (id(trainer), connector.use_distributed_sampler)  # the user's, read once
+        # predict: Lightning shards it itself, as under DDPStrategy; training and evaluation: OmniLearn (docstring)
+        connector.use_distributed_sampler = self.evaluation_sharded and trainer.state.fn == TrainerFn.PREDICTING
         if trainer.state.fn == TrainerFn.FITTING:
+            refuse_trainer_flags(trainer, self)
             self._open_session(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -128,6 +156,8 @@ class OmniLearnStrategy(DDPStrategy):
         if carry is None and trainer.global_step > 0:
             carry = self._last_state  # a second fit on this Trainer continues the run (checked at train start)
         settings, run_dir = continued_run(self.settings, carry)
+        settings = with_loader_batch(settings, trainer.fit_loop._data_source.dataloader,
+                                     trainer.accumulate_grad_batches, "OmniLearnStrategy")
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         device = "cuda" if self.root_device.type == "cuda" else "cpu"
         self.session = omnilearn.setup(total_steps=steps, device=device,
@@ -156,9 +186,11 @@ class OmniLearnStrategy(DDPStrategy):
         if trainer.state.stage == RunningStage.TRAINING:
             loader = training_loader(self.session, dataloader)
             if self._carry is not None:
-                self.session.load_state_dict(self._carry)  # after wrap_model and data_loader, before iterating
-                self._carry = None
+                carry, self._carry = self._carry, None
+                load_resumed(self.session, carry, "OmniLearnStrategy")  # after wrap_model and data_loader
             return loader
+        if not self.evaluation_sharded or trainer.state.stage == RunningStage.PREDICTING:
+            return dataloader  # left as the user made it, or sharded by Lightning (predict)
         return evaluation_loader(dataloader, self.global_rank, self.world_size, trainer.state.stage)
 
     def on_train_start(self) -> None:
@@ -223,6 +255,8 @@ class OmniLearnStrategy(DDPStrategy):
         if self.session is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._paused = self.session.paused()
             self._paused.__enter__()
+            if self.session.loader is not None and not self.session.interval_ended:
+                self.session.sync_buffers()  # BatchNorm statistics equal on every rank first (as at a checkpoint)
 
     def on_validation_end(self) -> None:
         if self._paused is not None:

@@ -22,8 +22,9 @@ sampler orders the data (a seeded shuffle per epoch). Lightning iterates a
   rides in the checkpoint under ``"omnilearn"``).
 
 Evaluation (:func:`evaluation_loader`): in a group of ``W`` ranks each rank
-evaluates a disjoint part of the validation/test/predict set (Lightning's
-``UnrepeatedDistributedSampler``: no sample padded in twice); metrics logged
+evaluates a disjoint part of the validation/test set (Lightning's
+``UnrepeatedDistributedSampler``: no sample padded in twice; predict loaders
+are sharded by Lightning itself, as under ``DDPStrategy``); metrics logged
 with ``self.log(..., sync_dist=True)`` are averaged over every sample
 (Lightning sums the per-rank sums and the per-rank sample counts).
 

@@ -18,12 +18,16 @@ Fabric's DDP strategy with an OmniLearn session inside (one per strategy):
 
 - ``fabric.setup(model, ...)`` opens the session (:func:`omnilearn.setup`
   joins Fabric's group) and wraps the model (``Session.wrap_model``, DDP
-  keyword arguments included);
+  keyword arguments included); Lightning versions outside the tested range
+  are refused there (:func:`omnilearn.versions.require_tested`);
 - ``fabric.setup_dataloaders``: the shuffled loader is the training data
   (:func:`~omnilearn.integrations.lightning_data.training_loader`: each step
   this worker's share, ``accumulation_steps`` micro-batches one by one, a
-  whole epoch's ``len()``); unshuffled loaders are sharded, disjoint, over the
-  ranks (no sample twice; reduce sums and counts, not means). Fabric's own
+  whole epoch's ``len()``; with no ``global_batch``/``local_batch``, one whose
+  ``batch_size`` x ``accumulation_steps`` x processes is not the session's
+  batch is refused, naming the ``local_batch`` that matches); unshuffled
+  loaders are sharded, disjoint, over the ranks (no sample twice; reduce
+  sums and counts, not means). Fabric's own
   ``DistributedSampler`` is not injected;
 - ``fabric.backward(loss)`` is ``Session.backward`` (exact weights; the
   session decides which micro-batch syncs): ``fabric.no_backward_sync`` only
@@ -32,14 +36,17 @@ Fabric's DDP strategy with an OmniLearn session inside (one per strategy):
 - ``optimizer.step()`` then ``Session.step()``: the controller may move batches;
 - ``fabric.save`` adds the session's state (every rank's part, gathered on
   rank 0) under ``"omnilearn"``; ``fabric.load(path, state)`` restores it, so
-  the training loader continues where it stopped (at another world size too).
+  the training loader continues where it stopped (at another world size too);
+  one saved with another seed, dataset length or steps per epoch is refused
+  in one line naming the strategy's keyword.
 
 The loop's length is the session's (``total_steps``); ``strategy.session``
 is the :class:`~omnilearn.bsp.session.Session` (``finish()`` for the summary,
-``should_stop``). Refused: a ``GradScaler`` precision (``16-mixed``), extra
+``should_stop``). Refused: a ``GradScaler`` precision (``16-mixed``), DDP's
+``mixed_precision`` and delayed all-reduce, extra
 ``backward`` arguments, a second model.
 
-Run: ``python -m pytest -q tests/dist/test_lightning_fabric.py``
+Run: ``python -m pytest -q tests/dist/test_lightning_fabric.py tests/dist/test_lightning_resume.py``
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ from omnilearn.bsp.checkpointing import gathered_state
 from omnilearn.integrations.lightning import STATE_KEY
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
 from omnilearn.integrations.lightning_options import FABRIC_ARGS, FABRIC_TAKES, refuse_sharded, split_options
+from omnilearn.integrations.lightning_session import check_loader_batch, load_resumed
+from omnilearn.versions import require_tested
 
 
 class _SessionSync(_BackwardSyncControl):
@@ -101,6 +110,7 @@ class OmniLearnFabricStrategy(DDPStrategy):
         if getattr(self.precision, "scaler", None) is not None:
             raise ConfigError("Fabric(precision='16-mixed') uses a GradScaler, which OmniLearnFabricStrategy does not "
                               "support; use precision='bf16-mixed', '32-true' or '64-true'")
+        require_tested("lightning", door="OmniLearnFabricStrategy")
         refuse_sharded(module, "OmniLearnFabricStrategy (Fabric's DDP strategy)")
         device = "cuda" if self.root_device.type == "cuda" else "cpu"
         self.session = omnilearn.setup(device=device, **self.settings)
@@ -111,6 +121,7 @@ class OmniLearnFabricStrategy(DDPStrategy):
             raise ConfigError("fabric.setup_dataloaders() before fabric.setup(model): set up the model first "
                               "(the session wraps it before it serves data)")
         if isinstance(dataloader, DataLoader) and type(dataloader.sampler) is RandomSampler:
+            check_loader_batch(self.settings, dataloader, self.session, "OmniLearnFabricStrategy")
             loader = training_loader(self.session, dataloader)
             self._apply_pending()
             return loader
@@ -149,5 +160,5 @@ class OmniLearnFabricStrategy(DDPStrategy):
 
     def _apply_pending(self) -> None:
         if self._pending is not None:
-            self.session.load_state_dict(self._pending)  # after wrap_model and data_loader, before iterating
-            self._pending = None
+            pending, self._pending = self._pending, None
+            load_resumed(self.session, pending, "OmniLearnFabricStrategy")  # after wrap_model and data_loader

@@ -10,8 +10,16 @@
   reach ``Session.wrap_model(model, **ddp_kwargs)``;
 - :func:`omnilearn.setup` keywords (``global_batch``, ``speeds``, ``out``...).
 
+:func:`refuse_trainer_flags` refuses, at fit, the Trainer flags OmniLearn
+cannot honour: a ``GradScaler`` precision (``16-mixed``),
+``sync_batchnorm=True``, and ``limit_train_batches`` / ``fast_dev_run`` /
+``overfit_batches`` (they cut the epochs OmniLearn plans; ``max_steps``
+shortens a run).
+
 Refused by name, each in one line with the supported route: a DDP comm hook
-or model averaging (OmniLearn's weighted all-reduce is the comm hook), buffer
+or model averaging (OmniLearn's weighted all-reduce is the comm hook), DDP's
+``mixed_precision`` (its own comm hook) and ``delay_all_reduce_named_params`` /
+``param_to_hook_all_reduce`` (an unweighted all-reduce outside the hook), buffer
 broadcasting (OmniLearn averages buffers by batch share), ``total_steps``
 (the Trainer's ``max_steps``), ``accumulation_steps`` (the Trainer's
 ``accumulate_grad_batches``), ``device`` (the Trainer's ``accelerator`` and
@@ -44,6 +52,10 @@ REFUSED = {
     "ddp_comm_state": "OmniLearn's weighted all-reduce is the model's comm hook (it weights each worker by b_i/B)",
     "ddp_comm_wrapper": "OmniLearn's weighted all-reduce is the model's comm hook (it weights each worker by b_i/B)",
     "model_averaging_period": "post-local SGD averages models unweighted; OmniLearn's steps are synchronous",
+    "mixed_precision": "DDP's mixed_precision registers its own comm hook in place of OmniLearn's weighted all-reduce; "
+                       "use the Trainer's (Fabric's) precision= instead",
+    "delay_all_reduce_named_params": "DDP all-reduces those parameters outside the comm hook, unweighted; drop it",
+    "param_to_hook_all_reduce": "DDP all-reduces the delayed parameters outside the comm hook, unweighted; drop it",
     "total_steps": "the run's length is the Trainer's: pass Trainer(max_steps=N)",
     "accumulation_steps": "gradient accumulation is the Trainer's: pass Trainer(accumulate_grad_batches=K) (OmniLearn "
                           "then runs it exactly)",
@@ -89,3 +101,23 @@ def refuse_sharded(model: object, strategy: str) -> None:
     if is_sharded(model):
         raise ConfigError(f"{type(model).__name__} is sharded with fully_shard (FSDP2), which {strategy} cannot "
                           "balance: train it in your own loop with ol.wrap_model(model) (docs/fsdp.md)")
+
+
+def refuse_trainer_flags(trainer: Any, strategy: Any) -> None:
+    """The Trainer flags ``OmniLearnStrategy`` cannot honour, refused in one line each at fit (docs/lightning.md)."""
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        raise ConfigError("Trainer(precision='16-mixed') uses a GradScaler, which OmniLearnStrategy does not support "
+                          "(OmniLearn would record the scaled loss); use precision='bf16-mixed', '32-true' or '64-true'")
+    if strategy._layer_sync is not None:
+        raise ConfigError("Trainer(sync_batchnorm=True) is not supported by OmniLearnStrategy: SyncBatchNorm's "
+                          "cross-rank backward ignores OmniLearn's per-worker gradient weights; drop it (OmniLearn "
+                          "averages BatchNorm statistics by batch share every control interval)")
+    for flag in ("fast_dev_run", "overfit_batches"):
+        if getattr(trainer, flag):
+            raise ConfigError(f"Trainer({flag}={getattr(trainer, flag)!r}) is not supported by OmniLearnStrategy: it "
+                              "cuts the training epochs OmniLearn plans; shorten the run with Trainer(max_steps=N)")
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int) or limit != 1.0:  # an int is a count of batches (1: one batch), a float a share
+        raise ConfigError(f"Trainer(limit_train_batches={limit!r}) is not supported by "
+                          "OmniLearnStrategy: OmniLearn plans whole epochs of the dataset; shorten the run with "
+                          "Trainer(max_steps=N)")

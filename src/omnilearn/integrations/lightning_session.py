@@ -1,0 +1,74 @@
+"""What the two Lightning doors hand the OmniLearn session: the batch the framework would use, and a resume refused in the door's words.
+
+- :func:`with_loader_batch` (``OmniLearnStrategy``): when the strategy was
+  given neither ``global_batch`` nor ``local_batch``, the batch is taken
+  from where Lightning takes it, as DDP would train: the training
+  ``DataLoader``'s ``batch_size`` x ``accumulate_grad_batches`` per process
+  (``local_batch``), x the processes. A given ``global_batch``/``local_batch``
+  wins over the ``DataLoader``'s ``batch_size`` (OmniLearn sets each
+  worker's batch; docs/lightning.md says so).
+- :func:`check_loader_batch` (``OmniLearnFabricStrategy``): Fabric opens the
+  session at ``fabric.setup(model)``, before it sees the data; with no batch
+  setting, a training ``DataLoader`` whose ``batch_size`` x
+  ``accumulation_steps`` x processes is not the session's global batch is
+  refused in one line naming the ``local_batch=`` that matches it.
+- :func:`load_resumed`: ``Session.load_state_dict``; a checkpoint the session
+  refuses (another global batch, seed, dataset length...) is a
+  :class:`~omnilearn.config.ConfigError` in one line naming the door and its
+  keywords (``seed=0 (an OmniLearnStrategy keyword)``, not the CLI's
+  ``--seed 0``).
+
+Run: ``python -m pytest -q tests/dist/test_lightning_trust.py tests/dist/test_lightning_resume.py``
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from omnilearn.config import ConfigError, api_wording
+
+BATCH_KEYWORDS = ("global_batch", "local_batch")
+_CORE_KEYWORD = re.compile(r" \(omnilearn\.setup keyword; --[a-z-]+ \S+ on the command line\)")
+
+
+def _batch_size(loader: Any, who: str) -> int:
+    size = getattr(loader, "batch_size", None)
+    if type(size) is not int or size < 1:
+        raise ConfigError(f"{who} got no global_batch or local_batch and the training data ({type(loader).__name__}, "
+                          f"batch_size={size!r}) gives none to take: give {who}(global_batch=B)")
+    return size
+
+
+def with_loader_batch(settings: dict[str, Any], training_data: Callable[[], Any], accumulation: int,
+                      who: str) -> dict[str, Any]:
+    """``settings`` with ``local_batch = batch_size x accumulation`` when they give no batch (module docstring)."""
+    if any(name in settings for name in BATCH_KEYWORDS):
+        return settings
+    return {**settings, "local_batch": _batch_size(training_data(), who) * accumulation}
+
+
+def check_loader_batch(settings: dict[str, Any], loader: Any, session: Any, who: str) -> None:
+    """Refuse a training ``loader`` whose batch disagrees with the session's default batch (module docstring)."""
+    if any(name in settings for name in BATCH_KEYWORDS):
+        return
+    k, world = session.cfg.accumulation_steps, session.world_size
+    local = _batch_size(loader, who) * k
+    if local * world != session.global_batch:
+        raise ConfigError(f"{who} got no global_batch or local_batch, so OmniLearn's global batch is "
+                          f"{session.global_batch}, but DataLoader(batch_size={local // k}) x accumulation_steps={k} "
+                          f"x {world} processes is {local * world}: give {who}(local_batch={local})")
+
+
+def door_wording(message: str, who: str) -> str:
+    """The core's refusal in the door's words: ``seed=0 (omnilearn.setup keyword; --seed 0 on the command line)``
+    becomes ``seed=0 (an OmniLearnStrategy keyword)``; CLI flags alone (``--global-batch 60``) become keywords."""
+    return api_wording(_CORE_KEYWORD.sub(f" (an {who} keyword)", message))
+
+
+def load_resumed(session: Any, state: dict, who: str) -> None:
+    """``session.load_state_dict(state)``; what it refuses, in one line naming ``who`` and its keywords."""
+    try:
+        session.load_state_dict(state)
+    except ValueError as e:  # ConfigError included
+        raise ConfigError(f"{who} cannot resume this checkpoint: {door_wording(str(e), who)}") from None
