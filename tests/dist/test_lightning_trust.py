@@ -1,6 +1,6 @@
 """``OmniLearnStrategy`` on 2 gloo ranks: what a plain Lightning DDP script would get, it gets (issue 32).
 
-One spawn of 2 ranks runs three short Lightning jobs; the tests read what each rank saw:
+One spawn of 2 ranks runs a few short Lightning jobs; the tests read what each rank saw:
 
 - ``trainer.predict`` is sharded as Lightning's ``DDPStrategy`` shards it
   (``UnrepeatedDistributedSamplerWrapper``): the two ranks together predict
@@ -12,6 +12,9 @@ One spawn of 2 ranks runs three short Lightning jobs; the tests read what each r
   at the HF door's evaluation).
 - No batch setting: the global batch is the training ``DataLoader``'s
   ``batch_size`` x processes (8 x 2 = 16), as DDP's would be.
+- ``Trainer(use_distributed_sampler=False)`` leaves validation unsharded
+  (each rank all 20 samples), as under ``DDPStrategy``; by default each rank
+  validates its 10.
 
 Run: ``python -m pytest -q tests/dist/test_lightning_trust.py`` (about 20 s).
 """
@@ -55,13 +58,15 @@ class BatchNormNet(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
         self.at_validation: list[tuple] = []  # (step, interval ended, running mean)
+        self.val_seen = 0
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.cross_entropy(self.net(x), y)
 
     def validation_step(self, batch, batch_idx):
-        if batch_idx == 0:
+        self.val_seen += len(batch[0])
+        if batch_idx == 0 and self.trainer.state.fn == "fit":
             session = self.trainer.strategy.session
             self.at_validation.append((session.steps_done, session.interval_ended, self.net[1].running_mean.tolist()))
         x, y = batch
@@ -102,6 +107,12 @@ def _two_ranks(rank: int, store: str, out: str) -> None:
         t = trainer(OmniLearnStrategy(), max_steps=2)
         t.fit(BatchNormNet(), DataLoader(blobs(64, seed=0), batch_size=8, shuffle=True))
         result["default_global_batch"] = t.strategy.session.global_batch
+
+        unsharded, val = BatchNormNet(), DataLoader(blobs(20, seed=1), batch_size=10)
+        trainer(OmniLearnStrategy(), use_distributed_sampler=False).validate(unsharded, val, verbose=False)
+        sharded = BatchNormNet()
+        trainer(OmniLearnStrategy()).validate(sharded, val, verbose=False)
+        result["val_seen"] = {"unsharded": unsharded.val_seen, "sharded": sharded.val_seen}
     torch.save(result, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -129,3 +140,7 @@ def test_validation_inside_fit_sees_equal_batchnorm_statistics_on_every_rank(ran
 
 def test_no_batch_setting_takes_the_dataloaders_batch_size_times_processes(ranks):
     assert [got["default_global_batch"] for got in ranks] == [16, 16]  # DataLoader(batch_size=8) x 2 processes
+
+
+def test_use_distributed_sampler_false_leaves_validation_unsharded_as_ddp_does(ranks):
+    assert [got["val_seen"] for got in ranks] == [{"unsharded": 20, "sharded": 10}] * 2
