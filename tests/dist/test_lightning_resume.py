@@ -116,6 +116,20 @@ def test_no_batch_setting_takes_the_dataloaders_batch_size_times_accumulation():
     assert trainer.strategy.session.global_batch == 16  # DataLoader(batch_size=8) x accumulate_grad_batches=2 x 1
 
 
+class WithHook(Net):
+    def train_dataloader(self):
+        return DataLoader(data(), batch_size=12, shuffle=True)
+
+
+def test_no_batch_setting_reads_a_train_dataloader_hook_too():
+    trainer = pl.Trainer(strategy=OmniLearnStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(WithHook())
+    assert trainer.strategy.session.global_batch == 12
+
+
 def test_fabric_without_a_batch_setting_refuses_a_dataloader_that_disagrees():
     with pytest.raises(ConfigError, match=r"OmniLearnFabricStrategy got no global_batch or local_batch, so "
                                           r"OmniLearn's global batch is 32, but DataLoader\(batch_size=16\) x "
