@@ -28,6 +28,9 @@ in a backward that does not sync (not the step's last micro-batch), is
 recoverable: no gradient left the rank. One in the *syncing* backward under
 DDP is not (some gradient buckets may be in flight while the peers wait in
 their all-reduce): the session raises a clear error naming the cap to set.
+Nor is any under FSDP2 (every forward and backward meets the peers). Such
+an error is this rank's alone: the session announces it, and every peer
+ends at once naming this rank (:mod:`omnilearn.distributed.failures`).
 
 Resetting DDP's reducer (:class:`ReducerResets`). When the error came after
 DDP's forward had announced a syncing backward (the loss failed after

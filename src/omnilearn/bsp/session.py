@@ -50,6 +50,13 @@ redoes the step, and the next control interval re-plans within the cap::
 Without recovery, ``for x, y in ol.micro_batches(batch): ol.backward(...)``
 splits the same way. ``ol.max_batch`` is this rank's cap now.
 
+One rank fails, all ranks end: an error of this rank alone (one that
+``run_step`` cannot redo, an out-of-memory error in ``backward()`` or
+propagating through ``finish()``, a ``save_checkpoint()`` that fails here
+and not everywhere) is announced in the group's store before it is raised;
+every peer's listener thread ends its process within a second or so, naming
+the rank and the error (:mod:`omnilearn.distributed.failures`).
+
 Run it with ``torchrun --nproc-per-node N script.py`` or as one process.
 ``wrap_model`` seeds each rank's random streams with ``(seed, rank)``
 afterwards (dropout and augmentation differ per rank; :mod:`omnilearn.bsp.rng`).
@@ -70,11 +77,12 @@ rank at the same step (the step after it: meetings are read a step later,
 Why one file over 300 lines: ``Session`` is the runtime's public surface (every method a user calls, with its
 docstring); the mechanics live in interval, steppers, micro, memory, wrap, sharded and checkpointing.
 
-Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.py``
+Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.py tests/dist/test_rank_errors.py``
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -92,13 +100,14 @@ from omnilearn.bsp.micro import MicroSteps
 from omnilearn.bsp.rng import rank_seed, seed_rank
 from omnilearn.bsp.steps import StepLedger
 from omnilearn.bsp.wrap import wrap
+from omnilearn.checkpoint import CheckpointError
 from omnilearn.config import AUTO, BalanceConfig, ConfigError, api_wording
 from omnilearn.data.loader import BalancedLoader, keep_batch
 from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
 from omnilearn.data.stream import StreamBatches, StreamPlan
 from omnilearn.decisions import check_every, make_loop
 from omnilearn.data.windows import IndexStream, WindowPlan
-from omnilearn.distributed import group
+from omnilearn.distributed import failures, group
 from omnilearn.distributed.collect import average_buffers, gather_to_main, share_path, sum_tensor
 from omnilearn.distributed.hooks import HookState
 from omnilearn.observe.modelfile import saver
@@ -150,6 +159,8 @@ class Session(MemorySteps, IntervalEnds):
         self.pending_telemetry: dict | None = None  # rank 0's record counters from a checkpoint, for the Telemetry
         self.rank_rows: RankRows | None = None  # this rank's step rows and sums, once the data source is known
         self.rows_resumed = False
+        self.failed: str | None = None  # this rank's error, announced to its peers (they end): see _fail
+        self.failures = failures.listen(ctx)  # last: a peer's announced error ends this process
 
     device = property(lambda self: self.ctx.device)
     rank = property(lambda self: self.ctx.rank)
@@ -316,7 +327,11 @@ class Session(MemorySteps, IntervalEnds):
         """``loss.backward()`` for one micro-batch, weighted exactly (``count``: loss terms, e.g. tokens)."""
         if self.ledger.open is None:
             raise RuntimeError("backward() without a batch: call it for a batch the loader handed out")
-        self.micro.backward(loss, count)
+        try:
+            self.micro.backward(loss, count)
+        except torch.OutOfMemoryError as e:  # this rank's alone: its peers wait in the step's collective
+            self._fail(e)
+            raise
 
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None) -> None:
         """Report the end of this rank's step (after ``optimizer.step()``); ``loss`` and ``lr`` are logged.
@@ -380,7 +395,16 @@ class Session(MemorySteps, IntervalEnds):
             self.telemetry.evaluation(epoch, self.next_step, self.train_time_s(), loss, accuracy)
 
     def finish(self) -> dict | None:
-        """Flush the last interval, equalise buffers, write the summary (rank 0's dict; None elsewhere)."""
+        """Flush the last interval, equalise buffers, write the summary (rank 0's dict; None elsewhere).
+
+        After this rank failed (:meth:`_fail`; e.g. ``finish()`` in a ``finally:``) only :meth:`release`: the
+        peers are gone, and a collective would wait for them. Called while an out-of-memory error propagates
+        (a ``finally:`` after one in the user's own code), that error is this rank's failure too."""
+        if self.failed is None and isinstance(sys.exc_info()[1], torch.OutOfMemoryError):
+            self._fail(sys.exc_info()[1])
+        if self.failed is not None:
+            self.release()
+            return None
         try:
             self._read_meeting()
             if self.ledger.window_size():
@@ -448,10 +472,16 @@ class Session(MemorySteps, IntervalEnds):
         """
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
         self._read_meeting()  # the checkpoint holds its outcome, whenever a run without it would read it
-        with self.paused():
-            if sharded.is_sharded(model):  # FSDP2: shards through DCP first, then the commit mark
-                return checkpointing.save_with_shards(self, directory, objects, keep=keep, extra=extra)
-            return checkpointing.save(self, directory, objects, keep=keep, extra=extra)
+        try:
+            with self.paused():
+                if sharded.is_sharded(model):  # FSDP2: shards through DCP first, then the commit mark
+                    return checkpointing.save_with_shards(self, directory, objects, keep=keep, extra=extra)
+                return checkpointing.save(self, directory, objects, keep=keep, extra=extra)
+        except CheckpointError:  # told to every rank alike: each raises it, and may go on
+            raise
+        except Exception as e:  # one rank's (a state_dict() that raises): the others wait in the save's collectives
+            self._fail(e)
+            raise
 
     def load_checkpoint(self, directory: str | Path, *, model: nn.Module | None = None, optimizer=None,
                         scheduler=None) -> bool:
@@ -475,6 +505,8 @@ class Session(MemorySteps, IntervalEnds):
         """Give back OS throttles and end the loader's worker processes (idempotent); never hides the run's own
         outcome. ``finish()`` and ``close()`` call it; a loop left early calls it to let go at once."""
         self.meeting = None  # a meeting in flight is not read: the peers may be gone
+        if self.failures is not None:
+            self.failures.stop()
         self.schedule.hold(None)
         self.emulation.release()
         if self.loader is not None:
@@ -491,6 +523,16 @@ class Session(MemorySteps, IntervalEnds):
         during interpreter finalisation, where one aborts the process.
         """
         self.release()
+        if self.failed is not None:  # this rank failed: no peer comes to a barrier
+            group.destroy()
+            return
         if self.ctx.grouped:
             group.barrier()
         group.destroy(wait_s=3.0)  # every rank passed the barrier: wait until every rank has torn down
+
+    def _fail(self, error: BaseException) -> None:
+        """This rank alone failed with ``error`` (its peers wait for it in a collective): announce it, so every
+        peer ends within a second or so naming this rank (:mod:`omnilearn.distributed.failures`); then re-raise.
+        ``finish()`` and ``close()`` skip their collectives after it. Nothing to tell without peers."""
+        if self.failures is not None:
+            self.failed = self.failures.announce(error)

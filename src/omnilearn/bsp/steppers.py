@@ -91,10 +91,21 @@ class MemorySteps:
         (:meth:`backward`). Gradients must be zero or None when it starts
         (``optimizer.zero_grad()``); on ``torch.OutOfMemoryError`` the cap is
         halved, the gradients are cleared and the step is redone, so the update
-        is the one the step would have made.
+        is the one the step would have made. An error it cannot recover from (one
+        sample does not fit, the syncing backward under DDP, any under FSDP2),
+        or any other error of ``fn``, is this rank's alone: it is announced and
+        every peer ends at once naming it (:mod:`omnilearn.distributed.failures`).
         """
         if self.ledger.open is None or self.model is None:
             raise RuntimeError("run_step() needs the wrapped model and a batch the loader handed out")
+        try:
+            self._attempt_until_done(fn, batch)
+        except Exception as e:  # this rank's alone (its peers wait in the step's collective): they end, naming it
+            self._fail(e)
+            raise
+
+    def _attempt_until_done(self, fn, batch) -> None:
+        """The step's attempts: each out-of-memory error lowers the cap and redoes it, or raises (FSDP2: always)."""
         params = list(self.model.parameters())
         had_grad = [p.grad is not None for p in params]
         resets = self.resets

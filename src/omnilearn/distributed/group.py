@@ -228,6 +228,11 @@ def barrier() -> None:
     dist.barrier()
 
 
+def default_store() -> dist.Store:
+    """The default group's store (its keys: the watchdog's heartbeats, failure announcements, closes)."""
+    return dist.distributed_c10d._get_default_store()  # torch has no public accessor
+
+
 _CLOSES = [0]  # sessions closed in this process: each close waits on its own store key
 _RELEASES: list[Callable[[], None]] = []  # run first by destroy(): holders of the group let go of it
 
@@ -261,7 +266,7 @@ def destroy(wait_s: float = 0.0) -> None:
         _unpin()
         return
     world = dist.get_world_size()
-    store = dist.distributed_c10d._get_default_store() if world > 1 and wait_s > 0 else None
+    store = default_store() if world > 1 and wait_s > 0 else None
     dist.destroy_process_group()
     _unpin()  # the last reference: the group's threads are joined here, with the GIL released
     if store is not None:

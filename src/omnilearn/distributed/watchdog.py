@@ -36,6 +36,11 @@ thread deadlocked with the GIL released still beats: the collective timeout
 catches that); a rank SIGSTOPped in the microseconds it holds a FileStore's
 file lock blocks its watchers' store calls too.
 
+A rank that raises an error of its own, rather than falling silent, is
+named faster: it announces the error in the same store and its peers end at
+once (:mod:`omnilearn.distributed.failures`, a thread of its own polling
+every 0.5 s, so the heartbeat's cadence stays cheap).
+
 Error logs: :func:`write_error_log` is how any rank reports what ended it
 (the watchdog's verdicts and a rank's own exceptions alike);
 :func:`read_error_logs` is how the launcher reads them back.
@@ -58,7 +63,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from omnilearn.distributed.group import DistContext
+from omnilearn.distributed.group import DistContext, default_store
 
 PREFIX = "omnilearn/hb"
 MODES = ("bsp", "asp")  # who watches whom: see peers_of
@@ -178,7 +183,7 @@ class Watchdog:
         self.first_beat_s = max(heartbeat_s, first_beat_s or 0.0)  # for a peer not heard from yet (still starting)
         self.interval_s = heartbeat_s / BEATS_PER_HEARTBEAT
         self.peers = peers_of(rank, world_size, mode)
-        self.store = _own_connection(store, heartbeat_s)
+        self.store = own_connection(store, heartbeat_s)
         space = namespace or f"{PREFIX}/{next(_generations)}"  # every rank's n-th watchdog shares one key space
         self.key = lambda r: f"{space}/{r}"
         self._stopping = threading.Event()
@@ -252,12 +257,12 @@ def start_watchdog(ctx: DistContext, heartbeat_s: float, log_dir: Path | None = 
     """
     if not ctx.grouped or ctx.world_size < 2:
         return None
-    store = dist.distributed_c10d._get_default_store()  # the group's store: torch has no public accessor
+    store = default_store()  # the group's store
     return Watchdog(store, ctx.rank, ctx.world_size, heartbeat_s, exit_on_lost(ctx.rank, log_dir, echo),
                     mode=mode).start()
 
 
-def _own_connection(store: dist.Store, timeout_s: float) -> dist.Store:
+def own_connection(store: dist.Store, timeout_s: float) -> dist.Store:
     """A clone with its own connection and a timeout of ``timeout_s``; the store itself where it cannot clone."""
     try:
         clone = store.clone()
