@@ -101,8 +101,25 @@ def outer_ddp(model: DDP) -> DDP | None:
     return active if active is not None and active is not model else None
 
 
+# DDP keywords that replace or bypass the weighted comm hook: the gradients they touch would be averaged unweighted.
+UNWEIGHTED_DDP_KWARGS = {
+    "mixed_precision": "DDP's own mixed precision registers a comm hook of its own; use torch.autocast instead",
+    "delay_all_reduce_named_params": "those parameters are all-reduced outside the comm hook, averaged unweighted; "
+                                     "drop it",
+    "param_to_hook_all_reduce": "it all-reduces outside the comm hook, averaged unweighted; drop it",
+}
+
+
+def refuse_unweighted(ddp_kwargs: dict[str, Any]) -> None:
+    """One line for a DDP keyword that would bypass the weighting (:data:`UNWEIGHTED_DDP_KWARGS`)."""
+    for name, why in UNWEIGHTED_DDP_KWARGS.items():
+        if ddp_kwargs.get(name) is not None:
+            raise ConfigError(f"ol.wrap_model(model, {name}=...): {why}")
+
+
 def wrap(model: nn.Module, device: torch.device, grouped: bool, hook: HookState, **ddp_kwargs: Any) -> nn.Module:
     """``model`` on ``device``; in a process group a :class:`BalancedDDP` reducing through ``hook``."""
+    refuse_unweighted(ddp_kwargs)
     model = model.to(device)
     if not grouped:
         return model
