@@ -107,15 +107,6 @@ def test_only_cut_checkpoints_are_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def core_checks_the_data_basis() -> bool:
-    from omnilearn.bsp import checkpointing
-
-    return hasattr(checkpointing, "check_resume")
-
-
-@pytest.mark.xfail(not core_checks_the_data_basis(), strict=True,
-                   reason="the core check of seed / dataset length / steps per epoch in Session.load_state_dict "
-                          "(omnilearn.bsp.checkpointing.check_resume) is not there yet")
 def test_resuming_with_another_seed_is_refused_naming_the_keyword(tmp_path):
     first = one_process_trainer(tmp_path, steps=SAVE)
     first.train()
