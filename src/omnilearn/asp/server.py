@@ -184,7 +184,8 @@ class ParameterServer:
                 self.held.append((worker, req, payload.clone(), deal))
             self.link.reply(req.rank, HOLD, self.version)
             return False
-        if self.stopping():
+        now = time.perf_counter()  # one reading: a push applied because the budget was not spent counts within it
+        if self.stopping(now):
             self.link.reply(req.rank, STOP, self.version, self.dealer.epoch)
             return True
         if req.kind == PUSH:
@@ -193,7 +194,7 @@ class ParameterServer:
                 self.refuse(worker, req, stale, deal)
                 return False
             self.retried.discard(worker)
-            self.apply(worker, req, payload, self.clock.train_s(time.perf_counter()), deal)
+            self.apply(worker, req, payload, self.clock.train_s(now), deal)
         epoch, indices = self.outstanding[worker] = self.dealer.deal(self.batches[worker])
         if epoch > self.evaluated_epoch:
             self.start_evaluation(epoch - 1)
@@ -209,11 +210,12 @@ class ParameterServer:
         epoch, indices = deal
         self.link.reply(req.rank, GO, self.version, epoch, self.slowdown(worker), indices, self.flat.state())
 
-    def stopping(self) -> bool:
-        """All push slots used, the training-time budget spent, or a stop asked for."""
-        budget_s = self.settings.max_time_s
+    def stopping(self, now: float | None = None) -> bool:
+        """All push slots used, the training-time budget spent (at ``now``, a ``perf_counter`` reading), or a stop
+        asked for."""
+        budget_s, now = self.settings.max_time_s, time.perf_counter() if now is None else now
         return (self.slots >= self.total_pushes or self.snapshots.stop_reason is not None
-                or (budget_s is not None and self.clock.train_s(time.perf_counter()) >= budget_s))
+                or (budget_s is not None and self.clock.train_s(now) >= budget_s))
 
     def slowdown(self, worker: int) -> float:
         speeds = self.run.speeds.at(min(self.step, self.run.total_steps - 1))
@@ -273,6 +275,7 @@ class ParameterServer:
         self.clock.resume(time.perf_counter())
         while self.held:
             worker, req, payload, deal = self.held.pop(0)
-            if not self.stopping():
-                self.apply(worker, req, payload, self.clock.train_s(time.perf_counter()), deal)
+            now = time.perf_counter()
+            if not self.stopping(now):
+                self.apply(worker, req, payload, self.clock.train_s(now), deal)
         return True
