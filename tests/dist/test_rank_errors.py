@@ -112,8 +112,8 @@ CASES = {
     "fsdp_oom": (1, "RuntimeError: rank 1, step 2: out of memory with a 4-sample micro-batch; out-of-memory "
                     "recovery is not supported with FSDP2"),
     "loop_oom": (1, "OutOfMemoryError: emulated: CUDA out of memory. Tried to allocate 2.00 GiB"),
-    "save": (0, "ValueError: this scheduler cannot be saved"),
 }
+SAVE_ERROR = "CheckpointError: checkpoint at step 2 was not written: rank 0 raised ValueError: this scheduler cannot be saved"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -125,3 +125,11 @@ def test_an_error_on_one_rank_ends_every_rank_naming_it(case, tmp_path, capfd):
     assert f"rank {failing} raised {error}" in said, said  # its own error, not a consequence of the peer's end
     assert f"omnilearn: rank {peer} ends: rank {failing} failed: {error}" in said, said
     assert f"rank {peer} raised" not in said, said  # it ended on the announcement, not on a collective's error
+
+
+def test_a_state_dict_that_raises_on_rank_0_is_one_error_every_rank_raises_naming_rank_0(tmp_path, capfd):
+    """Rank 0's ``state_dict()`` raising during ``save_checkpoint``: the same catchable CheckpointError on both ranks."""
+    codes, said = launch("save", tmp_path, capfd)
+    assert codes == [1, 1], said
+    assert f"rank 0 raised {SAVE_ERROR}" in said and f"rank 1 raised {SAVE_ERROR}" in said, said
+    assert "ends: rank" not in said, said  # no process was ended from outside: both raised it themselves

@@ -19,7 +19,7 @@ name                                                      used by
 ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group``)  bsp/sharded.py
 ``FSDPParamGroup.wait_for_unshard/finalize_backward``     bsp/sharded.py (timed waits)
 ``fsdp._fully_shard._fsdp_api.ReduceScatter/AllGather``   bsp/sharded.py (the custom comms' signatures)
-``distributed_c10d._get_default_store()``                 distributed/group.py, distributed/watchdog.py
+``distributed_c10d._get_default_store()``                 distributed/group.py (default_store)
 ``DataLoader._iterator``, ``..._shutdown_workers()``      data/loader.py (release the workers)
 ``torch._dynamo`` (preloaded module)                      experiments/launch/supervise.py
 ========================================================  ==========================================

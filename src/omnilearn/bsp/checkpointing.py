@@ -96,18 +96,19 @@ def save(session: Session, directory: str | Path, objects: dict[str, Any], *, ke
     state = gathered_state(session)
     path, error = None, ""
     if session.is_main:
-        full: dict[str, Any] = {"session": state, "extra": extra or {}}
-        for name, obj in objects.items():
-            if obj is not None:
-                obj = _unwrapped(session, obj)
-                full[name] = _cpu(obj.state_dict()) if name == "model" else obj.state_dict()
-        info = {"workers": session.world_size, "global_batch": session.global_batch, **(meta or {})}
-        try:
+        try:  # a state_dict() that raises is rank 0's failure: every rank raises it, below, naming rank 0
+            full: dict[str, Any] = {"session": state, "extra": extra or {}}
+            for name, obj in objects.items():
+                if obj is not None:
+                    obj = _unwrapped(session, obj)
+                    full[name] = _cpu(obj.state_dict()) if name == "model" else obj.state_dict()
+            info = {"workers": session.world_size, "global_batch": session.global_batch, **(meta or {})}
             path = CheckpointStore(directory, keep).save(session.next_step, full, info)
         except CheckpointError as e:  # a value that would not load back: it names the field
             error = str(e)
         except Exception as e:  # every rank raises it, below
-            error = f"checkpoint at step {session.next_step} was not written: {type(e).__name__}: {e}"
+            error = (f"checkpoint at step {session.next_step} was not written: rank 0 raised "
+                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     error = broadcast_bytes(session.ctx, error.encode() if session.is_main else None).decode()
     if error:
         raise CheckpointError(error)
