@@ -42,19 +42,22 @@ def test_reductions_finishing_out_of_order_on_other_threads_keep_the_latest():
     timer = StepTimer()
     timer.begin()
     timer.mark_ready()
-    stamps = []
+    before, after = [], []
 
     def reduce(delay_s: float) -> None:
         time.sleep(delay_s)
+        before.append(time.perf_counter())
         timer.mark_reduced(False)
-        stamps.append(time.perf_counter())
+        after.append(time.perf_counter())
 
     threads = [threading.Thread(target=reduce, args=(d,)) for d in (0.03, 0.0, 0.01)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    assert timer.reduced_s <= max(stamps) and timer.reduced_s >= sorted(stamps)[-1] - 0.005
+    # The latest mark lies between the last thread's stamps around it (no tolerance: a busy host may pause a
+    # thread for any time between its mark and a stamp taken after it).
+    assert max(before) <= timer.reduced_s <= max(after)
 
 
 def test_no_hook_means_no_wait():
