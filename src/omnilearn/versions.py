@@ -31,10 +31,10 @@ ALLOW_ENV = "OMNILEARN_ALLOW_UNTESTED"
 # distribution -> (lowest tested, first untested): lo <= version < hi. Kept in step with docs/versions.md.
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.11", "2.14"),            # 2.13.0 CPU: the whole suite; 2.11 CUDA: tests/gpu on an H100
-    "transformers": ("5.24", "5.25"),     # OmniLearnTrainer
+    "transformers": ("5.18", "5.25"),     # OmniLearnTrainer: 5.18.0, 5.20.2, 5.24.0 (5.17: its resume fails on torch 2.13)
     "accelerate": ("1.15", "1.16"),       # under OmniLearnTrainer
-    "lightning": ("2.6.6", "2.7"),        # OmniLearnStrategy, the Fabric door
-    "pytorch-lightning": ("2.6.6", "2.7"),
+    "lightning": ("2.6", "2.7"),          # OmniLearnStrategy, the Fabric door: 2.6.0, 2.6.6
+    "pytorch-lightning": ("2.6", "2.7"),
     "tensorflow-cpu": ("2.21", "2.22"),   # omnilearn.tf
     "tensorflow": ("2.21", "2.22"),
     "keras": ("3.15", "3.16"),
