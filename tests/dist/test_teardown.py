@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from ranks import start_ranks
@@ -96,11 +97,17 @@ def _timed_out_worker(rank: int, store: str) -> None:
                             timeout=timedelta(seconds=2))
     ol = omnilearn.setup(global_batch=16, control_interval=3, device="cpu")
     ol.wrap_model(nn.Linear(6, 3))
+    timed_out = Path(store + ".timed-out")
     if rank == 0:
         with pytest.raises(RuntimeError, match="sync_buffers"):
             ol.sync_buffers()  # rank 1 never comes: the collective times out and is still running when we exit
-    else:
-        time.sleep(3)  # leave after rank 0 has begun to exit: its collective ends when this rank's sockets close
+        timed_out.touch()
+    else:  # leave after rank 0 has begun to exit: its collective ends when this rank's sockets close
+        for _ in range(6000):  # a hang guard (10 min), not a deadline: rank 0 says when its wait timed out
+            if timed_out.exists():
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
 
 
 def test_a_rank_leaving_a_timed_out_collective_exits_cleanly(tmp_path):

@@ -101,7 +101,7 @@ said(lambda: model.fit(x, y))
 
 
 def test_a_workers_loader_serves_the_same_batches_from_a_dataset_and_the_api_refuses_in_one_line():
-    done = subprocess.run([sys.executable, "-c", API], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", API], capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same batches" in done.stdout
