@@ -13,7 +13,7 @@ before anything is written, so the existing checkpoints stay as they were.
 Each file is written to a temporary file, fsynced and renamed into place,
 the ``.pt`` first: a checkpoint without its ``.json`` was cut short and is
 not one. That sequence (the parts, then the commit mark, then pruning) is
-:func:`commit`, the one every door's save follows. A sharded model's shards
+:func:`omnilearn.commit.commit`, the one every door's save follows. A sharded model's shards
 sit in a companion directory ``step-000000500.dcp`` (written by every rank
 before the mark); it is pruned with its checkpoint and swept when its mark
 never came.
@@ -52,10 +52,11 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from omnilearn.commit import CheckpointWarning, commit
 from omnilearn.observe.rundir import write_atomic
 from omnilearn.weightsonly import FIX, first_refused, refused_field, refused_global
 
@@ -72,36 +73,6 @@ class CheckpointError(RuntimeError):
 
 class CheckpointDamaged(CheckpointError):
     """A checkpoint whose files do not match its manifest (a write that went wrong): an older one may be used."""
-
-
-class CheckpointWarning(UserWarning):
-    """A damaged checkpoint was set aside for an older one."""
-
-
-def commit(mark: Path, write_parts: Callable[[], object], mark_bytes: Callable[[], bytes],
-           prune: Callable[[], object] | None = None) -> Path:
-    """The one save sequence for every door: complete or absent, nothing rotated away before the new one is whole.
-
-    1. ``write_parts()``: every part of the checkpoint (each written atomically by the caller; a failure raises
-       here and nothing below runs: no mark, nothing pruned);
-    2. the commit mark, last: ``mark_bytes()`` (called after the parts: it may hold their checksums) written to a
-       temporary file beside ``mark``, fsynced, renamed over ``mark``, the directory fsynced
-       (:func:`~omnilearn.observe.rundir.write_atomic`). A reader counts a checkpoint only by its mark;
-    3. ``prune()``: rotate older checkpoints away, only now. A prune that fails (an ``OSError``) leaves the new
-       checkpoint complete: a :class:`CheckpointWarning`, not an error (the next save prunes again).
-
-    Returns ``mark``. :meth:`CheckpointStore.save` is this with the ``.pt`` as the part and its manifest as the mark.
-    """
-    write_parts()
-    data = mark_bytes()
-    write_atomic(Path(mark), lambda f: f.write(data))
-    if prune is not None:
-        try:
-            prune()
-        except OSError as e:
-            warnings.warn(f"checkpoint {mark} is complete, but removing older checkpoints failed ({e}); they stay "
-                          "until a later save prunes them", CheckpointWarning, stacklevel=2)
-    return Path(mark)
 
 
 class BufferFile(io.RawIOBase):
