@@ -64,18 +64,20 @@ def cut_after_trainer_folder(monkeypatch):
 
 
 def cut_in_session_write(monkeypatch):
-    """The second session file's write fails (a full disk, a kill mid-write)."""
-    from omnilearn.integrations import hf_checkpoint
+    """The second session file's write (the commit mark) fails: a full disk, a kill mid-write."""
+    from omnilearn import commit
+    from omnilearn.integrations.hf_checkpoint import SESSION_FILE
 
-    original, calls = hf_checkpoint.write_session_file, []
+    original, calls = commit.write_atomic, []
 
-    def cut(folder, state):
-        calls.append(folder)
-        if len(calls) == 2:
-            raise OSError("killed mid-write")
-        original(folder, state)
+    def cut(path, write):
+        if path.name == SESSION_FILE:
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError("killed mid-write")
+        original(path, write)
 
-    monkeypatch.setattr(hf_checkpoint, "write_session_file", cut)
+    monkeypatch.setattr(commit, "write_atomic", cut)
 
 
 @pytest.mark.parametrize("inject", [cut_after_trainer_folder, cut_in_session_write])

@@ -261,17 +261,21 @@ class OmniLearnTrainer(Trainer):
         :mod:`omnilearn.integrations.hf_checkpoint`): a kill at any point leaves a complete checkpoint to resume."""
         if not self.session.interval_ended:
             self.session.sync_buffers()
-        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotation waits for the session file
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
+        limit = self.args.save_total_limit
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        hf_checkpoint.save_session(self.session, folder, writer=self.args.should_save,
-                                   each_node=self.args.save_on_each_node)
-        if self.args.should_save:
-            hf_checkpoint.rotate(run_dir, limit, keep=folder, best=self.state.best_model_checkpoint)
+
+        def trainer_folder() -> None:
+            self.args.save_total_limit = None  # Trainer's rotation waits for the session file
+            try:
+                super(OmniLearnTrainer, self)._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+
+        hf_checkpoint.save(self.session, folder, trainer_folder, writer=self.args.should_save,
+                           each_node=self.args.save_on_each_node,
+                           prune=lambda: hf_checkpoint.rotate(run_dir, limit, keep=folder,
+                                                              best=self.state.best_model_checkpoint))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         path = os.path.join(resume_from_checkpoint, SESSION_FILE)

@@ -1,12 +1,12 @@
 """``OmniLearnTrainer``'s checkpoints: complete or absent, never rotated away before the next one is complete.
 
 A Trainer checkpoint folder (``checkpoint-<step>``) counts only once it
-holds :data:`SESSION_FILE` (the session state of every rank): that file is
-written last, through :func:`omnilearn.observe.rundir.write_atomic` (temp
-file, fsync, rename, directory fsync). Trainer's ``save_total_limit``
-rotation is held back while Trainer writes the folder and runs
-(:func:`rotate`) only after the session file is committed, and it never
-removes the folder just completed. A folder without the file was cut short
+holds :data:`SESSION_FILE` (the session state of every rank). The save is
+:func:`omnilearn.commit.commit`, every door's sequence (:func:`save`):
+Trainer's folder first, the session file last (temp file, fsync, rename,
+directory fsync), then Trainer's ``save_total_limit`` rotation, held back
+while Trainer writes the folder (:func:`rotate`: it never removes the
+folder just completed). A folder without the file was cut short
 (a kill mid-save): ``resume_from_checkpoint=True`` takes the newest
 complete folder instead (:func:`latest_complete`, with a warning naming
 the cut ones), or refuses in one line when there is none.
@@ -14,7 +14,7 @@ the cut ones), or refuses in one line when there is none.
 Who writes the session file is who Trainer lets write (``args.should_save``):
 global rank 0, or with ``save_on_each_node=True`` each node's local rank 0;
 rank 0 gathers the state and sends it to the other writers. A failed write
-on any writer is raised on every rank, naming the rank (:func:`save_session`).
+on any writer is raised on every rank, naming the rank (:func:`save`).
 
 Run: ``python -m pytest -q tests/dist/test_hf_trust.py``
 """
@@ -26,15 +26,15 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from omnilearn.bsp.checkpointing import from_bytes, gathered_state, to_bytes
+from omnilearn.commit import commit
 from omnilearn.config import ConfigError
 from omnilearn.distributed.collect import broadcast_bytes, gather_bytes
-from omnilearn.observe import rundir
 
 SESSION_FILE = "omnilearn_session.pt"  # in each checkpoint folder: the session state of every rank; written last
 _FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -49,23 +49,24 @@ def complete(folder: str | Path) -> bool:
     return (Path(folder) / SESSION_FILE).is_file()
 
 
-def write_session_file(folder: str | Path, state: dict) -> None:
-    """The session state into ``folder``, atomically (the checkpoint's commit mark)."""
-    rundir.write_atomic(Path(folder) / SESSION_FILE, lambda f: torch.save(state, f))
-
-
-def save_session(session: Any, folder: str | Path, *, writer: bool, each_node: bool) -> None:
-    """Gather the session state (a collective) and write it where Trainer saves (``writer``); the same error on
-    every rank when a write failed. ``each_node``: ranks other than 0 write too, so rank 0 sends them the state."""
+def save(session: Any, folder: str | Path, write_folder: Callable[[], object], *, writer: bool, each_node: bool,
+         prune: Callable[[], object]) -> None:
+    """Every rank: :func:`omnilearn.commit.commit` with Trainer's folder as the parts (``write_folder``, on every
+    rank: Trainer's own save), the session file as the mark and Trainer's rotation as the prune, where Trainer
+    saves (``writer``); the others write Trainer's part only. The session state is gathered first (a collective);
+    ``each_node``: ranks other than 0 write too, so rank 0 sends them the state. A failure on any rank is raised on
+    every rank, naming it; the previous complete checkpoint is kept."""
     state = gathered_state(session)
     if each_node and session.world_size > 1:
         state = from_bytes(broadcast_bytes(session.ctx, to_bytes(state) if session.is_main else None))
     error = ""
-    if writer:
-        try:
-            write_session_file(folder, state)
-        except Exception as e:  # every rank raises it, below
-            error = f"rank {session.rank}: {type(e).__name__}: {e}"
+    try:
+        if writer:
+            commit(Path(folder) / SESSION_FILE, write_folder, lambda: to_bytes(state), prune)
+        else:
+            write_folder()
+    except Exception as e:  # every rank raises it, below
+        error = f"rank {session.rank}: {type(e).__name__}: {e}"
     errors = gather_bytes(session.ctx, error.encode())
     joined = "; ".join(e.decode() for e in errors or [] if e) if session.is_main else None
     joined = broadcast_bytes(session.ctx, joined.encode() if joined is not None else None).decode()
