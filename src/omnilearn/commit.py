@@ -12,13 +12,28 @@ a part), ``OmniLearnTrainer`` (Trainer's folder as the parts, ``omnilearn_sessio
 ``save_total_limit`` rotation as the prune) and the TensorFlow runtime (``omnilearn.tf.checkpointing``).
 Lightning's checkpoint is one file Lightning writes, with the session state inside it.
 
+A checkpoint that is a directory (the TensorFlow runtime's ``step-N/``) is committed by a rename:
+
+    commit_directory(final, write_parts, mark_name, mark_bytes, prune)
+
+the parts into ``.NAME.tmp-<pid>/`` beside ``final``, each file fsynced, the mark last inside it by
+:func:`commit`; then the swap: an old ``final`` (the same step saved again) moved aside to
+``.NAME.old-<pid>``, the new directory renamed in, the parent fsynced, the aside removed; then ``prune()``.
+A kill between leaves an aside: :func:`committed_directories` counts it as that name's checkpoint, and
+:func:`recover_directories` (the first thing every ``commit_directory`` does) puts it back, and sweeps the
+temporary directories of saves that never committed.
+
 No torch here (the TensorFlow runtime uses it too).
 
-Run: ``python -m pytest -q tests/unit/test_checkpoint.py -k commit``
+Run: ``python -m pytest -q tests/unit/test_commit.py tests/unit/test_checkpoint.py -k commit``
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -47,10 +62,121 @@ def commit(mark: Path, write_parts: Callable[[], object], mark_bytes: Callable[[
     write_parts()
     data = mark_bytes()
     write_atomic(Path(mark), lambda f: f.write(data))
-    if prune is not None:
-        try:
-            prune()
-        except OSError as e:
-            warnings.warn(f"checkpoint {mark} is complete, but removing older checkpoints failed ({e}); they stay "
-                          "until a later save prunes them", CheckpointWarning, stacklevel=2)
+    _prune(mark, prune)
     return Path(mark)
+
+
+def _prune(done: Path, prune: Callable[[], object] | None) -> None:
+    """``prune()`` once ``done`` is committed; an ``OSError`` is a :class:`CheckpointWarning` (see :func:`commit`)."""
+    if prune is None:
+        return
+    try:
+        prune()
+    except OSError as e:
+        warnings.warn(f"checkpoint {done} is complete, but removing older checkpoints failed ({e}); they stay "
+                      "until a later save prunes them", CheckpointWarning, stacklevel=3)
+
+
+_TMP = re.compile(r"^\.(.+)\.tmp-\d+$")  # a directory being written (a save that never committed, once swept)
+_ASIDE = re.compile(r"^\.(.+)\.old-\d+$")  # a committed directory moved aside while its name is saved again
+
+
+def commit_directory(final: Path, write_parts: Callable[[Path], object], mark_name: str,
+                     mark_bytes: Callable[[], bytes], prune: Callable[[], object] | None = None) -> Path:
+    """:func:`commit` for a checkpoint that is a directory: complete or absent under ``final``'s name.
+
+    1. :func:`recover_directories` in ``final``'s parent (what an earlier crash left);
+    2. ``write_parts(tmp)`` into a fresh ``.NAME.tmp-<pid>/`` beside ``final``; every file there is fsynced;
+    3. the mark ``tmp/mark_name`` last (:func:`commit`), then ``tmp`` fsynced;
+    4. the swap: an existing ``final`` is moved aside (``.NAME.old-<pid>``), ``tmp`` renamed to ``final``
+       (a failed rename puts the aside back), the parent fsynced, the aside removed;
+    5. ``prune()``, only now (an ``OSError`` there is a :class:`CheckpointWarning`).
+
+    A failure before the swap removes ``tmp`` and raises: the previous checkpoint stays as it was. Returns ``final``.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    recover_directories(final.parent, mark_name)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir()
+        commit(tmp / mark_name, lambda: (write_parts(tmp), sync_tree(tmp)), mark_bytes)
+        sync(tmp)
+        _swap(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(final, prune)
+    return final
+
+
+def _swap(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; a ``final`` already there is moved aside first and removed only once the new
+    one is in place."""
+    aside = final.with_name(f".{final.name}.old-{os.getpid()}") if final.exists() else None
+    if aside is not None:
+        os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, final)
+        raise
+    sync(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+def committed_directories(parent: Path, mark_name: str) -> dict[str, Path]:
+    """Each committed checkpoint directory in ``parent`` by its final name: itself, or its aside where a crash
+    left only that. Committed: it holds ``mark_name``."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return {}
+    found: dict[str, Path] = {}
+    for p in sorted(parent.iterdir(), key=lambda p: p.name.startswith(".")):  # asides last: a final name wins
+        aside = _ASIDE.match(p.name)
+        name = aside.group(1) if aside else None if p.name.startswith(".") else p.name
+        if name is not None and p.is_dir() and (p / mark_name).is_file():
+            found.setdefault(name, p)
+    return found
+
+
+def recover_directories(parent: Path, mark_name: str) -> None:
+    """Mend what a crash in :func:`commit_directory` left in ``parent``: temporary directories removed; an aside
+    put back where its final name holds no committed checkpoint, else removed."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return
+    for p in parent.iterdir():
+        if _TMP.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+    for p in parent.iterdir():
+        aside = _ASIDE.match(p.name)
+        if aside is None:
+            continue
+        final = parent / aside.group(1)
+        if (final / mark_name).is_file() or not (p / mark_name).is_file():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(p, final)
+    sync(parent)
+
+
+def sync_tree(directory: Path) -> None:
+    """fsync every file under ``directory`` and the directories holding them (a library's writes may not be)."""
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            sync(Path(root) / name)
+        sync(Path(root))
+
+
+def sync(path: Path) -> None:
+    """fsync a file or a directory (so a rename in it survives a crash), where the platform allows it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

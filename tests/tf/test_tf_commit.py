@@ -13,45 +13,13 @@ Run: ``python -m pytest -q tests/tf/test_tf_commit.py``
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
 
+from crashes import Crash, Ops
 from needs import needs
 
 pytestmark = needs("tensorflow", "tensorflow")
-
-
-class Crash(BaseException):
-    """The process died here."""
-
-
-class Ops:
-    """While entered: ``os.replace`` and ``shutil.rmtree`` that die after the ``crash_after``-th call."""
-
-    def __init__(self, crash_after: int) -> None:
-        self.calls, self.crash_after, self.dead = 0, crash_after, False
-        self.replace, self.rmtree = os.replace, shutil.rmtree
-
-    def __enter__(self) -> "Ops":
-        os.replace = lambda *a, **k: self.do(self.replace, *a, **k)
-        shutil.rmtree = lambda *a, **k: self.do(self.rmtree, *a, **k)
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        os.replace, shutil.rmtree = self.replace, self.rmtree
-
-    def do(self, op, *args, **kwargs):
-        if self.dead:
-            raise Crash()
-        result = op(*args, **kwargs)
-        self.calls += 1
-        if self.calls > self.crash_after:
-            self.dead = True
-            raise Crash()
-        return result
 
 
 def session(value: float, step: int):

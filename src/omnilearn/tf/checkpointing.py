@@ -9,17 +9,18 @@ One directory per checkpoint, committed by a rename::
 Who writes what. Every worker calls :meth:`Checkpoints.save` at the same
 step (a control-interval end, so no step's timings are in flight), because
 saving a Keras model under ``MultiWorkerMirroredStrategy`` may read
-variables that all-reduce on read: worker 0 writes into
-``.step-N.tmp-<pid>/``, fsyncs the model files, adds ``session.json`` (the
-commit mark: written last, fsynced) and renames the directory into place;
-the other workers write into a temporary directory of their own and delete
-it (TensorFlow's documented pattern). Complete or absent: a step saved
-again (a resumed run stopped where it started) first moves the old one
-aside (``.step-N.old-<pid>``), renames the new one in, then removes the
-aside; a crash between leaves the aside, which counts as that step's
-checkpoint and is put back at the next save; temporary directories are
-swept then. The newest ``keep`` are kept, older ones removed only after the
-new one is committed.
+variables that all-reduce on read: worker 0 commits the directory by the
+one save sequence of every door (:func:`omnilearn.commit.commit_directory`:
+the model files into ``.step-N.tmp-<pid>/``, fsynced, ``session.json`` last
+as the commit mark, the directory renamed into place); the other workers
+write into a temporary directory of their own and delete it (TensorFlow's
+documented pattern). Complete or absent: a step saved again (a resumed run
+stopped where it started) first moves the old one aside
+(``.step-N.old-<pid>``), renames the new one in, then removes the aside; a
+crash between leaves the aside, which counts as that step's checkpoint and
+is put back at the next save; temporary directories are swept then. The
+newest ``keep`` are kept, older ones removed only after the new one is
+committed.
 
 One outcome: after its write every worker joins one gather of "did my
 write fail" (and the ``errno``); if one did, every worker raises
@@ -44,7 +45,6 @@ Run: ``python -m pytest -q tests/tf/test_tf_trust.py tests/tf/test_tf_train.py``
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -56,14 +56,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from omnilearn.commit import commit_directory, committed_directories
 from omnilearn.config import ConfigError
-from omnilearn.observe.rundir import write_atomic
 from omnilearn.tf.changed import refuse_changed, shapes
 
 FORMAT = 1
 STATE = "session.json"
 _DIR = re.compile(r"^step-(\d{9,})$")
-_ASIDE = re.compile(r"^\.step-(\d{9,})\.old-\d+$")  # a committed checkpoint moved aside while its step is saved again
 
 
 class CheckpointFailed(RuntimeError):
@@ -87,14 +86,8 @@ class Checkpoints:
 
     def found(self) -> dict[int, Path]:
         """Each committed step's directory: ``step-N``, or its aside where a crash left only that."""
-        if not self.directory.is_dir():
-            return {}
-        found: dict[int, Path] = {}
-        for p in sorted(self.directory.iterdir(), key=lambda p: not p.name.startswith(".")):  # asides last
-            m = _DIR.match(p.name) or _ASIDE.match(p.name)
-            if m and (p / STATE).is_file():
-                found.setdefault(int(m.group(1)), p)
-        return found
+        found = committed_directories(self.directory, STATE)
+        return {int(m.group(1)): p for name, p in found.items() if (m := _DIR.match(name))}
 
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:09d}"
@@ -142,38 +135,10 @@ class Checkpoints:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def write(self, final: Path) -> None:
-        """Worker 0: the model files, fsynced; ``session.json`` last; the rename (see :meth:`commit`); the pruning."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.sweep()
-        tmp = self.directory / f".{final.name}.tmp-{os.getpid()}"
-        try:
-            self.saver().write(str(tmp / "model"))
-            for f in tmp.iterdir():
-                sync(f)
-            state = json.dumps(session_state(self.session), default=float).encode()
-            write_atomic(tmp / STATE, lambda f: f.write(state))  # the commit mark
-            sync(tmp)
-            self.commit(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self.prune()
-
-    def commit(self, tmp: Path, final: Path) -> None:
-        """Rename ``tmp`` to ``final``; a ``final`` already there (the same step again) is moved aside first and
-        removed only once the new one is in place."""
-        aside = final.with_name(f".{final.name}.old-{os.getpid()}") if final.exists() else None
-        if aside is not None:
-            os.replace(final, aside)
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            if aside is not None:
-                os.replace(aside, final)
-            raise
-        sync(self.directory)
-        if aside is not None:
-            shutil.rmtree(aside)
+        """Worker 0: the model files, then ``session.json`` (the mark), committed by a rename; then the pruning
+        (:func:`omnilearn.commit.commit_directory`)."""
+        commit_directory(final, lambda tmp: self.saver().write(str(tmp / "model")), STATE,
+                         lambda: json.dumps(session_state(self.session), default=float).encode(), self.prune)
 
     def agree(self, final: Path, failure: Exception | None) -> None:
         """One gather of every worker's outcome; :class:`CheckpointFailed` on every worker if any write failed."""
@@ -189,20 +154,6 @@ class Checkpoints:
         if failure is not None and rank == s.rank:
             said += f": {type(failure).__name__}: {first_line(failure)}"
         raise CheckpointFailed(f"{said}; every worker stops (resume from the newest checkpoint once it is mended)")
-
-    def sweep(self) -> None:
-        """Remove the temporary directories of saves that never committed (a crash mid-save); an aside left by a
-        crash goes back in place (or away, if its step was committed again)."""
-        for p in self.directory.glob(".step-*.tmp-*"):
-            shutil.rmtree(p, ignore_errors=True)
-        for p in self.directory.glob(".step-*.old-*"):
-            m = _ASIDE.match(p.name)
-            final = self.path(int(m.group(1))) if m else None
-            if final is None or (final / STATE).is_file():
-                shutil.rmtree(p, ignore_errors=True)
-            elif (p / STATE).is_file():
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(p, final)
 
     def prune(self) -> None:
         found = self.found()
@@ -269,16 +220,6 @@ def errno_of(e: BaseException) -> int:
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-def sync(path: Path) -> None:
-    """fsync a file (TensorFlow's writes are not) or a directory (so a rename in it survives a crash), where possible."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def load_session_state(s, state: dict[str, Any]) -> None:
