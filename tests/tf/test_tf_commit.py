@@ -36,7 +36,7 @@ def session(value: float, step: int):
 
     class Session:
         model, optimizer = Part(value), Part(-value)
-        is_main, rank, world_size, telemetry, next_step = True, 0, 1, None, step
+        is_main, rank, world_size, telemetry, next_step, should_stop = True, 0, 1, None, step, False
         loaded = None
 
         @staticmethod
@@ -52,7 +52,7 @@ def checkpoints(monkeypatch):
 
     monkeypatch.setattr(checkpointing, "session_state", lambda s: {"format": 1, "next_step": s.next_step})
     monkeypatch.setattr(checkpointing, "load_session_state", lambda s, state: setattr(s, "loaded", state["next_step"]))
-    return lambda s, directory, keep: checkpointing.Checkpoints(s, directory, keep=keep)
+    return lambda s, directory, keep, every=0: checkpointing.Checkpoints(s, directory, every, keep)
 
 
 @pytest.mark.parametrize("second_step, keep", [(10, 3), (20, 1)], ids=["same-step-again", "next-step-keep-1"])
@@ -79,3 +79,16 @@ def test_a_crash_anywhere_in_the_commit_leaves_a_checkpoint_to_resume_from(check
             break
         crash_after += 1
     assert crash_after >= 2  # the crash hit the commit's own steps, not only the writes before it
+
+
+@pytest.mark.parametrize("interval, every, saved", [(4, 4, [4, 8, 12, 16]), (4, 3, [4, 8, 12, 16]), (3, 4, [6, 9, 12])])
+def test_checkpoint_every_n_saves_at_the_first_interval_end_at_or_after_n_2n(checkpoints, tmp_path, interval, every,
+                                                                             saved):
+    """As ``omnilearn train``'s trainer: the first at or after N, not after 2N (the first due step was once set at
+    the first interval end, so ``checkpoint_every=N`` with an interval of N saved first at 2N)."""
+    s = session(1.0, 0)
+    ckpts = checkpoints(s, tmp_path, 10, every)
+    for s.next_step in range(interval, 17, interval):  # the interval ends
+        if ckpts.due():
+            ckpts.save()
+    assert ckpts.steps() == saved

@@ -146,14 +146,14 @@ def full_disk_on_worker_0(out: Path) -> None:
     import keras
 
     import omnilearn.tf
-    import omnilearn.tf.checkpointing as checkpointing
+    import omnilearn.commit as commit
     from omnilearn.tf.cluster import from_env
 
     def full(path, _write):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     if from_env().rank == 0:
-        checkpointing.write_atomic = full
+        commit.write_atomic = full  # the commit mark's write (omnilearn.commit.commit_directory)
     x, y = regression()
     ol = omnilearn.tf.setup(global_batch=16, seed=1, quiet=True, out=str(out / "run"), control_interval=3,
                             total_steps=12, checkpoint_every=3, timeout_s=300)

@@ -78,7 +78,7 @@ class Checkpoints:
         if type(keep) is not int or keep < 1:
             raise ConfigError(f"keep_checkpoints={keep!r} must be at least 1")
         self.session, self.directory, self.every, self.keep = session, Path(directory), every, keep
-        self.next_due: int | None = None
+        self.next_due = self.due_after(session.next_step)
 
     def steps(self) -> list[int]:
         """The committed checkpoints' steps, oldest first."""
@@ -92,11 +92,15 @@ class Checkpoints:
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:09d}"
 
+    def due_after(self, step: int) -> int | None:
+        """The step count at or after which the next checkpoint is due, counted from ``step`` (the start, a
+        resumed step, the last save): the next multiple of ``every``, as in ``omnilearn train``'s trainer."""
+        return (step // self.every + 1) * self.every if self.every else None
+
     def due(self) -> bool:
-        """A checkpoint is due at this interval end (every ``every`` steps), or a stop was agreed on."""
+        """A checkpoint is due at this interval end (the first at or after each multiple of ``every`` steps), or a
+        stop was agreed on."""
         s = self.session
-        if self.next_due is None:
-            self.next_due = (s.next_step // self.every + 1) * self.every if self.every else None
         return s.should_stop or (self.next_due is not None and s.next_step >= self.next_due)
 
     def save(self) -> Path | None:
@@ -107,8 +111,7 @@ class Checkpoints:
         """
         s = self.session
         start = time.perf_counter()
-        if self.every:
-            self.next_due = (s.next_step // self.every + 1) * self.every
+        self.next_due = self.due_after(s.next_step)
         final = self.path(s.next_step)
         try:
             self.write(final) if s.is_main else self.write_scratch()
@@ -192,6 +195,7 @@ class Checkpoints:
             raise ConfigError(f"checkpoint {path} does not hold every variable of this model and optimizer "
                               f"({first_line(e)}): resume with the model and optimizer it was saved from") from None
         load_session_state(s, state)
+        self.next_due = self.due_after(s.next_step)
         if s.telemetry is not None:
             s.telemetry.loaded(time.perf_counter() - start)
         return True
