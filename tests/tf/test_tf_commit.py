@@ -51,6 +51,7 @@ def checkpoints(monkeypatch):
     from omnilearn.tf import checkpointing
 
     monkeypatch.setattr(checkpointing, "session_state", lambda s: {"format": 1, "next_step": s.next_step})
+    monkeypatch.setattr(checkpointing, "check_resume", lambda s, state: None)
     monkeypatch.setattr(checkpointing, "load_session_state", lambda s, state: setattr(s, "loaded", state["next_step"]))
     return lambda s, directory, keep, every=0: checkpointing.Checkpoints(s, directory, every, keep)
 

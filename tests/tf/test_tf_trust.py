@@ -7,13 +7,15 @@ Real TensorFlow processes (this file run as ``python tests/tf/test_tf_trust.py S
 - ``one`` (one worker, one process for three parts): under ``mixed_float16`` ``ol.fit`` trains a regression to
   Keras ``fit``'s loss on the same data (the loss scaled before the gradient); a model with a weight its loss
   does not reach trains, that weight untouched, Keras' warning naming it; a checkpoint resumed into a model with
-  one more layer is refused naming the new variables, and into the same model resumes at its step;
+  one more layer is refused naming the new variables, with another seed refused naming both seeds and the
+  ``omnilearn.tf.setup`` keyword, and into the same model resumes at its step;
 - ``order``: a ``tf.data`` pipeline built before ``omnilearn.tf.setup()``: one ``ConfigError`` naming the order;
 - ``full``: two workers, worker 0's checkpoint write raising ``ENOSPC``: both end, naming worker 0 and the
   error (the collective timeout is 300 s: reaching the end of the test at all is the proof).
 
-In this process: a crash (an exception raised right after any rename or removal of the commit) while a step is
-saved again, or the next one, always leaves a checkpoint that a restore reads.
+In this process: :func:`omnilearn.tf.checkpointing.check_resume` of a stand-in session refuses a checkpoint of
+another seed, data size or global batch in one line naming both values and the fix, and warns on one saved
+before the data basis was.
 
 Run: ``python -m pytest -q tests/tf/test_tf_trust.py``
 """
@@ -100,8 +102,8 @@ def resume_changed(out: Path) -> None:
 
     x, y = regression()
 
-    def session(extra: bool, resume: bool):
-        ol = omnilearn.tf.setup(global_batch=BATCH, seed=1, quiet=True, out=str(out / "run"), control_interval=4,
+    def session(extra: bool, resume: bool, seed: int = 1):
+        ol = omnilearn.tf.setup(global_batch=BATCH, seed=seed, quiet=True, out=str(out / "run"), control_interval=4,
                                 total_steps=8, checkpoint_every=4, resume=resume, overwrite=not resume)
         keras.utils.set_random_seed(0)
         with ol.scope():
@@ -121,8 +123,13 @@ def resume_changed(out: Path) -> None:
         refused = None
     except ConfigError as e:
         refused = str(e)
+    try:
+        session(extra=False, resume=True, seed=2)
+        seed_refused = None
+    except ConfigError as e:
+        seed_refused = str(e)
     ol, _, model = session(extra=False, resume=True)
-    return {"refused": refused, "next_step": ol.next_step,
+    return {"refused": refused, "seed_refused": seed_refused, "next_step": ol.next_step,
             "same": all(np.array_equal(a, b) for a, b in zip(trained, model.get_weights()))}
 
 
@@ -248,6 +255,65 @@ def test_resuming_a_changed_model_is_refused_and_the_same_model_resumes(one):
     assert refused is not None and "\n" not in refused
     assert "was saved from another model (4 variables, 6 now)" in refused and "added/kernel" in refused, refused
     assert said["next_step"] == 8 and said["same"]
+
+
+@pytest.mark.dist
+def test_resuming_with_another_seed_is_refused_naming_both_and_the_keyword(one):
+    said = read(one, "resume_changed")["seed_refused"]
+    assert said is not None and "\n" not in said, said  # before the fix: resumed, reading other samples
+    assert "saved with seed 1 but this run has seed 2" in said and "seed=1 (omnilearn.tf.setup keyword" in said, said
+
+
+class Planned:
+    """A stand-in session: what :func:`omnilearn.tf.checkpointing.check_resume` reads."""
+
+    def __init__(self, samples: int = SAMPLES, seed: int = 1) -> None:
+        from omnilearn.data.schedule import GlobalPlan
+
+        self.global_batch, self.plan = BATCH, GlobalPlan(samples, BATCH, seed)
+
+
+def saved_state(**changed) -> dict:
+    from omnilearn.data.position import basis
+    from omnilearn.tf.checkpointing import FORMAT
+
+    return {"format": FORMAT, "global_batch": BATCH, "data": basis(Planned(**changed).plan)}
+
+
+@pytest.mark.parametrize("changed, says", [
+    ({"seed": 2}, "saved with seed 2 but this run has seed 1"),
+    ({"samples": 2 * SAMPLES}, f"saved with data size {2 * SAMPLES} but this run has data size {SAMPLES}")])
+def test_a_resume_whose_data_differs_is_one_line_naming_both_and_the_fix(changed, says):
+    from omnilearn.config import ConfigError
+    from omnilearn.tf.checkpointing import check_resume
+
+    with pytest.raises(ConfigError) as refused:
+        check_resume(Planned(), saved_state(**changed))
+    said = str(refused.value)
+    assert "\n" not in said and says in said and "(omnilearn.tf.setup keyword; --" in said, said
+    assert "omnilearn.setup keyword" not in said
+
+
+def test_a_resume_of_another_global_batch_names_the_keyword():
+    from omnilearn.config import ConfigError
+    from omnilearn.tf.checkpointing import check_resume
+
+    state = {**saved_state(), "global_batch": 2 * BATCH}
+    with pytest.raises(ConfigError, match=rf"global_batch={2 * BATCH} \(omnilearn.tf.setup keyword; "
+                                          rf"--global-batch {2 * BATCH} on the command line\)"):
+        check_resume(Planned(), state)
+
+
+def test_the_same_data_resumes_and_an_old_checkpoint_without_a_basis_warns():
+    from omnilearn.tf.checkpointing import UnverifiedResumeWarning, check_resume
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_resume(Planned(), saved_state())
+    old = saved_state()
+    del old["data"]
+    with pytest.warns(UnverifiedResumeWarning, match="predates the data checks"):
+        check_resume(Planned(), old)
 
 
 @pytest.mark.dist

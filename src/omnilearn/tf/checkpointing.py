@@ -38,9 +38,15 @@ Every step's samples depend on neither, so the weights follow the same path.
 
 A changed model or optimizer is refused, naming where it differs, before
 anything is read (:mod:`omnilearn.tf.changed`); TensorFlow's own check
-(every variable bound to a saved value) runs after the read.
+(every variable bound to a saved value) runs after the read. So is data the
+saved position would read differently (another seed, data size or global
+batch: :func:`check_resume`, by :mod:`omnilearn.data.position` as in the
+PyTorch runtime); a checkpoint from before that was saved warns.
 
-Run: ``python -m pytest -q tests/tf/test_tf_trust.py tests/tf/test_tf_train.py``
+A checkpoint is due at the first interval end at or after each multiple of
+``every`` (:meth:`Checkpoints.due`, as ``omnilearn train``'s trainer).
+
+Run: ``python -m pytest -q tests/tf/test_tf_commit.py tests/tf/test_tf_trust.py tests/tf/test_tf_train.py``
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +65,7 @@ import tensorflow as tf
 
 from omnilearn.commit import commit_directory, committed_directories
 from omnilearn.config import ConfigError
+from omnilearn.data.position import basis, keyword, mismatch
 from omnilearn.tf.changed import refuse_changed, shapes
 
 FORMAT = 1
@@ -67,6 +75,10 @@ _DIR = re.compile(r"^step-(\d{9,})$")
 
 class CheckpointFailed(RuntimeError):
     """A worker's checkpoint write failed; raised on every worker alike, naming it."""
+
+
+class UnverifiedResumeWarning(UserWarning):
+    """A checkpoint from before the data basis was saved: its seed and data could not be checked."""
 
 
 class Checkpoints:
@@ -181,6 +193,7 @@ class Checkpoints:
         except (OSError, ValueError) as e:
             raise ConfigError(f"checkpoint {path / STATE} cannot be read ({e}); move it aside to resume from the one "
                               "before") from None
+        check_resume(s, state)
         if s.model is not None and not s.model.built:
             raise ConfigError("resuming needs the model's variables: build the model (keras.Input first) in "
                               "ol.scope() before wrap()")
@@ -204,7 +217,8 @@ class Checkpoints:
 def session_state(s) -> dict[str, Any]:
     """What the session needs to go on exactly (taken at an interval end: no step rows in flight)."""
     return {"format": FORMAT, "world_size": s.world_size, "global_batch": s.global_batch,
-            "steps_done": s.steps_done, "next_step": s.next_step, "train_s": s.clock.at_last_step_s,
+            "data": basis(s.plan), "steps_done": s.steps_done, "next_step": s.next_step,
+            "train_s": s.clock.at_last_step_s,
             "loop": s.loop.state_dict(), "schedule": s.schedule.state_dict(),
             "telemetry": s.telemetry.state_dict() if s.telemetry is not None else {},
             "variables": {"model": shapes(s.model.weights), "optimizer": shapes(s.optimizer.variables)}}
@@ -226,13 +240,34 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def load_session_state(s, state: dict[str, Any]) -> None:
-    """Restore :func:`session_state`: all of it at the same worker count; at another, what does not depend on it."""
+def check_resume(s, state: dict[str, Any]) -> None:
+    """Refuse, before anything is read, a state this session would read differently: another format, global batch
+    or data basis (seed, data size, steps per epoch: :mod:`omnilearn.data.position`), in one line naming the
+    ``omnilearn.tf.setup`` keyword and the CLI flag. A state from before the basis was saved: a warning."""
     if state.get("format") != FORMAT:
         raise ConfigError(f"checkpoint session state format {state.get('format')!r}; this version reads {FORMAT}")
     if state["global_batch"] != s.global_batch:
-        raise ConfigError(f"the checkpoint's global batch is {state['global_batch']}, this run's {s.global_batch}: "
-                          f"resume with global_batch={state['global_batch']}")
+        raise ConfigError(tf_wording(f"the checkpoint was saved with global batch {state['global_batch']} but this "
+                                     f"run has {s.global_batch}: resume with "
+                                     f"{keyword('global_batch', state['global_batch'])}"))
+    if "data" not in state:
+        warnings.warn("the checkpoint's session state predates the data checks (seed, data size, steps per epoch): "
+                      "the resume cannot check them; use the seed and data it was saved with",
+                      UnverifiedResumeWarning, stacklevel=4)
+        return
+    problem = mismatch(state["data"], basis(s.plan))
+    if problem is not None:
+        raise ConfigError(tf_wording(problem))
+
+
+def tf_wording(message: str) -> str:
+    """:func:`omnilearn.data.position.keyword`'s fix in this door's words: the ``omnilearn.tf.setup`` keyword."""
+    return message.replace("omnilearn.setup keyword", "omnilearn.tf.setup keyword")
+
+
+def load_session_state(s, state: dict[str, Any]) -> None:
+    """Restore :func:`session_state` (checked by :func:`check_resume`): all of it at the same worker count; at
+    another, what does not depend on it."""
     if int(state["world_size"]) == s.world_size:
         s.loop.load_state_dict(state["loop"])
         s.schedule.load_state_dict(state["schedule"])
