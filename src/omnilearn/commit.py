@@ -30,7 +30,6 @@ Run: ``python -m pytest -q tests/unit/test_commit.py tests/unit/test_checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -38,7 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from omnilearn.observe.rundir import write_atomic
+from omnilearn.observe.rundir import sync, write_atomic
 
 
 class CheckpointWarning(UserWarning):
@@ -170,13 +169,3 @@ def sync_tree(directory: Path) -> None:
         for name in files:
             sync(Path(root) / name)
         sync(Path(root))
-
-
-def sync(path: Path) -> None:
-    """fsync a file or a directory (so a rename in it survives a crash), where the platform allows it."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

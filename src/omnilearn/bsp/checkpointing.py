@@ -55,7 +55,7 @@ from omnilearn.bsp import sharded
 from omnilearn.bsp.rng import load_rng_state, rank_seed, rng_state, seed_rank
 from omnilearn.checkpoint import CheckpointError, CheckpointStore
 from omnilearn.config import ConfigError
-from omnilearn.data.position import keyword
+from omnilearn.data.position import UnverifiedResumeWarning, keyword
 from omnilearn.distributed.collect import broadcast_bytes, broadcast_chunks, gather_bytes
 from omnilearn.distributed.group import DistContext, cpu_group
 
@@ -63,10 +63,6 @@ Session = Any  # omnilearn.bsp.session.Session, which imports this module
 
 STATE_FORMAT = 1  # of the session's state_dict
 REPLAY_LIMIT = 100_000  # draws searched for the loader generator's place in its seeded stream
-
-
-class UnverifiedResumeWarning(UserWarning):
-    """A checkpoint from before the data basis was saved: its seed and dataset could not be checked."""
 
 
 def to_bytes(obj: Any) -> bytes:

@@ -24,6 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
+class UnverifiedResumeWarning(UserWarning):
+    """A checkpoint from before the data basis was saved: its seed and dataset could not be checked."""
+
+
 KINDS = {"dataset": "a dataset", "stream": "a stream (IterableDataset)", "random_indices": "random_indices()"}
 
 

@@ -284,8 +284,8 @@ class MetricsLog:
             pass
 
 
-def _sync_dir(directory: Path) -> None:
-    """fsync ``directory`` so a rename in it survives a crash (not possible everywhere)."""
+def sync(directory: Path) -> None:
+    """fsync a directory (so a rename in it survives a crash) or a file, where the platform allows it."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -320,7 +320,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
             raise disk_full(path, full, *_needed(write, tmp)) from None
     finally:
         tmp.unlink(missing_ok=True)
-    _sync_dir(path.parent)
+    sync(path.parent)
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:

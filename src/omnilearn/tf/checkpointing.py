@@ -65,7 +65,7 @@ import tensorflow as tf
 
 from omnilearn.commit import commit_directory, committed_directories
 from omnilearn.config import ConfigError
-from omnilearn.data.position import basis, keyword, mismatch
+from omnilearn.data.position import UnverifiedResumeWarning, basis, keyword, mismatch
 from omnilearn.tf.changed import refuse_changed, shapes
 
 FORMAT = 1
@@ -75,10 +75,6 @@ _DIR = re.compile(r"^step-(\d{9,})$")
 
 class CheckpointFailed(RuntimeError):
     """A worker's checkpoint write failed; raised on every worker alike, naming it."""
-
-
-class UnverifiedResumeWarning(UserWarning):
-    """A checkpoint from before the data basis was saved: its seed and data could not be checked."""
 
 
 class Checkpoints:
