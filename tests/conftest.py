@@ -26,15 +26,28 @@ def _data_cache(tmp_path_factory):
     mp.undo()
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_torchrun_env():
-    before = {key: os.environ.get(key) for key in TORCHRUN_ENV}
-    yield
+def _restore_torchrun_env(before: dict) -> None:
     for key, value in before.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_torchrun_env():
+    before = {key: os.environ.get(key) for key in TORCHRUN_ENV}
+    yield
+    _restore_torchrun_env(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftover_torchrun_env_from_a_module():
+    """Also what a module-scoped fixture left (a one-process Lightning fit sets WORLD_SIZE, MASTER_ADDR, ...): the
+    files after it in the same xdist worker would launch as if under torchrun."""
+    before = {key: os.environ.get(key) for key in TORCHRUN_ENV}
+    yield
+    _restore_torchrun_env(before)
 
 
 @pytest.fixture(autouse=True)

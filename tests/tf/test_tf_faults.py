@@ -54,11 +54,10 @@ def test_a_dead_worker_fails_the_run_naming_it(tmp_path):
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     out = tmp_path / "run"
     p = launch(out, "--speeds", "2,1", "--max-steps", "100000")
-    deadline = time.monotonic() + 600  # a hang guard
-    while time.monotonic() < deadline and not (out / "metrics.jsonl").exists():
-        time.sleep(0.2)
-    while time.monotonic() < deadline and not has_step_rows(out):
+    deadline = time.monotonic() + 600  # a hang guard; a launcher that ended early is seen at once
+    while time.monotonic() < deadline and p.poll() is None and not has_step_rows(out):
         time.sleep(0.2)  # training has started
+    assert p.poll() is None, p.communicate()[1][-3000:]
     p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=600)  # a hang guard, not a deadline
     assert p.returncode == 128 + signal.SIGTERM, stderr[-3000:]
