@@ -1,13 +1,16 @@
-"""The weighting comm hook (``omnilearn.distributed.hooks``) on real gloo process groups.
+"""The weighted backward on DDP's C++ path (``omnilearn.bsp.backward``) on real gloo process groups.
 
 A 3-rank world split into DDP groups ``{0, 1}`` and ``{2}``: ranks 0 and 1
 end with exactly ``w0 g0 + w1 g1`` (their own weights; float64, to 1e-12
 relative, where a weight off by 1% shows at 1e-2), rank 2 with ``w2 g2``:
-the hook reduces on the group DDP was given, so the third rank's gradient
-never leaks in (with the default group it would, and the sums would be
-``w0 g0 + w1 g1 + w2 g2`` everywhere). The callbacks run
-once per step (``on_ready``) and once per bucket (``on_reduced``, the last
-flagged).
+the scale is ``n w_i`` with ``n`` the size of the group DDP was given (with
+the world's size the pair would end with 3/2 of its sum). Both routes: a
+plain ``loss.backward()`` (the hook on the output scales the gradient that
+flows into it) and the loss scaled by the caller (``output_scale=None``).
+No comm hook is registered (DDP's own C++ path), and the marks come once per
+step each: ready (on the parameter learned to be ready last, before DDP's
+finalisation) and reduced (after it), in that order, also on a second step
+after learning.
 
 Run: ``python -m pytest -q tests/dist/test_hooks.py``
 """
@@ -18,14 +21,13 @@ import pytest
 from ranks import start_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from omnilearn.distributed.hooks import HookState, weighted_allreduce_hook
+from omnilearn.bsp.backward import HookState
+from omnilearn.bsp.wrap import wrap
 
 pytestmark = pytest.mark.dist
-WEIGHTS = (5 / 17, 12 / 17, 0.375)
+WEIGHTS = (5 / 17, 12 / 17, 1.0)
 
 
 def local_gradient(rank: int) -> torch.Tensor:
@@ -42,28 +44,50 @@ def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
     pair, solo = dist.new_group([0, 1]), dist.new_group([2])  # every rank creates every group, in order
+    dist.barrier()
     torch.manual_seed(0)
-    ddp = DDP(nn.Linear(4, 2, bias=False).double(), process_group=pair if rank < 2 else solo, bucket_cap_mb=1e-6)
-    calls = {"ready": 0, "reduced": 0, "last": 0}
-    state = HookState(process_group=ddp.process_group, weight=WEIGHTS[rank],
-                      on_ready=lambda: calls.__setitem__("ready", calls["ready"] + 1),
-                      on_reduced=lambda last: calls.update(reduced=calls["reduced"] + 1, last=calls["last"] + last))
-    ddp.register_comm_hook(state, weighted_allreduce_hook)
-    ddp(inputs(rank)).sum().backward()
-    torch.save({"grad": ddp.module.weight.grad.clone(), **calls}, f"{out}/rank{rank}.pt")
+    marks: list[str] = []
+    state = HookState(on_ready=lambda: marks.append("ready"), on_reduced=lambda last: marks.append("reduced"))
+    model = nn.Sequential(nn.Linear(4, 3).double(), nn.Linear(3, 2, bias=False).double())
+    ddp = wrap(model, torch.device("cpu"), True, state, process_group=pair if rank < 2 else solo)
+    n = ddp.process_group.size()
+    grads = []
+    for route in ("output hook", "scaled loss", "output hook"):
+        ddp.zero_grad()
+        state.output_scale = n * WEIGHTS[rank]
+        y = ddp(inputs(rank))
+        if route == "scaled loss":
+            state.output_scale = None
+            (y.sum() * (n * WEIGHTS[rank])).backward()
+        else:
+            y.sum().backward()
+        grads.append([p.grad.clone() for p in ddp.module.parameters()])
+        marks.append("step")
+    torch.save({"grads": grads, "marks": marks, "hooks": len(ddp._comm_hooks)}, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_hook_reduces_on_ddps_group_with_exact_weights(tmp_path):
+def _expected(ranks: list[int]) -> list[torch.Tensor]:
+    grads = []
+    for r in ranks:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3).double(), nn.Linear(3, 2, bias=False).double())
+        model(inputs(r)).sum().mul(WEIGHTS[r]).backward()
+        grads.append([p.grad for p in model.parameters()])
+    return [sum(g[i] for g in grads) for i in range(len(grads[0]))]
+
+
+def test_ddp_mean_of_scaled_gradients_is_the_weighted_sum_on_ddps_group(tmp_path):
     start_ranks(_worker, (str(tmp_path / "store"), str(tmp_path)), 3)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
-    g = [local_gradient(r) for r in range(3)]
-    pair = g[0] * WEIGHTS[0] + g[1] * WEIGHTS[1]
-    for r in (0, 1):
-        torch.testing.assert_close(got[r]["grad"], pair, rtol=1e-12, atol=0)
-    torch.testing.assert_close(got[2]["grad"], g[2] * WEIGHTS[2], rtol=1e-12, atol=0)
-    leaked = pair + g[2] * WEIGHTS[2]
-    assert not torch.allclose(got[0]["grad"], leaked)
+    pair, solo = _expected([0, 1]), _expected([2])
     for r in range(3):
-        assert got[r]["ready"] == 1 and got[r]["last"] == 1 and got[r]["reduced"] >= 1
+        want = pair if r < 2 else solo
+        for step in got[r]["grads"]:
+            for g, w in zip(step, want):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+        assert got[r]["hooks"] == 0  # DDP's own C++ path: no Python comm hook
+        assert got[r]["marks"] == ["ready", "reduced", "step"] * 3
+    leaked = [g * 2 / 3 for g in pair]  # scaled by the world's size instead of the group's
+    assert not torch.allclose(got[0]["grads"][0][0], leaked[0])

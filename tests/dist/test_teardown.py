@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import omnilearn
-from omnilearn.distributed.hooks import HookState
+from omnilearn.bsp.backward import HookState
 from omnilearn.experiments.train.asp import build_server
 from omnilearn.experiments.config import TrainConfig
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from omnilearn.bsp.wrap import UNWEIGHTED_DDP_KWARGS, wrap
 from omnilearn.config import ConfigError
-from omnilearn.distributed.hooks import HookState
+from omnilearn.bsp.backward import HookState
 
 
 @pytest.mark.parametrize("name", sorted(UNWEIGHTED_DDP_KWARGS))

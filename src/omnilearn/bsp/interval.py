@@ -1,7 +1,7 @@
 """Where ranks meet: the end of a control interval, and the check that all ranks are at the same point.
 
 Every collective of the session starts with :func:`meet`: one all-gather of
-a short row per rank, ``[kind, steps_done, last step sampled, stop, cap, step_s, reset, plan, *window]``
+a short row per rank, ``[kind, steps_done, last step sampled, stop, cap, step_s, reset, plan, *window, *rows]``
 (:func:`~omnilearn.decisions.table_row`; ``stop``: this rank got a stop
 signal, any rank's makes every rank stop at this interval's end; ``cap``:
 this rank's largest batch, 0 for none beyond the config's, lowered after an
@@ -20,7 +20,14 @@ naming it, at the first window meeting after the plans parted.
 
 :class:`Meeting` starts the all-gather and :meth:`Meeting.table` reads it:
 the session reads a window's meeting one step later
-(:class:`~omnilearn.bsp.steppers.IntervalEnds`).
+(:class:`~omnilearn.bsp.steppers.IntervalEnds`). A window's meeting also
+carries this rank's step rows (``rows``, 8 numbers a step: what rank 0's
+record sums per step over the ranks, :meth:`Meeting.rows`), so the record's
+totals need no collective of their own: a window costs one all-gather,
+started at its last step and read at the next. Every meeting of a session
+has room for ``slots`` rows (its control interval, the longest window), so
+all meetings are alike in size: ranks at different points of the loop still
+exchange rows and are told, instead of failing inside the backend.
 
 At a control interval the row carries this rank's
 :func:`~omnilearn.balance.loop.window_row` (its ``compute_s`` at its current
@@ -58,6 +65,9 @@ from omnilearn.data.schedule import BatchSchedule
 from omnilearn.decisions import CHECK, INTERVAL, SYNC_BUFFERS, plan_checksum, plans_differ, summarise, table_row
 from omnilearn.distributed.collect import RowGathering, all_gather_row, disagreements
 from omnilearn.distributed.group import DistContext
+from omnilearn.observe.rankrows import ROW_NAMES
+
+ROW_WIDTH = len(ROW_NAMES)
 
 POINTS = {INTERVAL: "the end of a control interval", SYNC_BUFFERS: "sync_buffers() (or finish())",
           CHECK: "a check within a control interval"}
@@ -98,13 +108,21 @@ def agree_on_data(ctx: DistContext, size: int, prefetch_batches: int, what: str 
 
 class Meeting:
     """One meeting's all-gather, started now; :meth:`table` waits for it and checks that every rank came to the
-    same point with the same plan (else raises on every rank, see :func:`meet`)."""
+    same point with the same plan (else raises on every rank, see :func:`meet`). ``rows``: this rank's step rows,
+    carried along (every rank sends as many)."""
 
     def __init__(self, ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
                  window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
-                 step_s: float = 0.0, reset: bool = False, plan: int = 0) -> None:
+                 step_s: float = 0.0, reset: bool = False, plan: int = 0,
+                 rows: Sequence[Sequence[float]] = (), slots: int = 0) -> None:
         self.ctx, self.kind, self.steps_done = ctx, kind, steps_done
+        if len(rows) > slots:
+            raise ValueError(f"a meeting with room for {slots} step rows was given {len(rows)}")
         row = table_row(kind, steps_done, last_read, window, stop, cap, step_s, reset, plan)
+        self.width, self.full = len(row), None
+        row.append(float(len(rows)))
+        row += [v for r in rows for v in r]
+        row += [0.0] * (ROW_WIDTH * (slots - len(rows)))
         try:
             self.gathering = RowGathering(ctx, row)
         except RuntimeError as e:
@@ -116,11 +134,18 @@ class Meeting:
                             f"{self.steps_done} steps and the other ranks did not come: call step(), sync_buffers() "
                             f"and finish() on every rank at the same points of the loop ({said})")
 
+    def rows(self) -> list[list[list[float]]]:
+        """Every rank's step rows, as sent (after :meth:`table`)."""
+        first = self.width + 1
+        return [[row[i:i + ROW_WIDTH] for i in range(first, first + ROW_WIDTH * int(row[self.width]), ROW_WIDTH)]
+                for row in self.full]
+
     def table(self) -> list[list[float]]:
         try:
-            table = self.gathering.wait()
+            self.full = self.gathering.wait()
         except RuntimeError as e:
             raise self._absent(e) from e
+        table = [row[:self.width] for row in self.full]
         kind, steps_done = self.kind, self.steps_done
         where = [(int(row[0]), int(row[1])) for row in table]
         if len(set(where)) > 1:
@@ -141,20 +166,21 @@ class Meeting:
 
 def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
          window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
-         step_s: float = 0.0, reset: bool = False, plan: int = 0) -> list[list[float]]:
+         step_s: float = 0.0, reset: bool = False, plan: int = 0, slots: int = 0) -> list[list[float]]:
     """All ranks' rows; raises on every rank if they are not at the same point or hold different plans.
 
     A rank that never comes (it skipped the call and waits in a training
     step's gradient sync instead) leaves this rank waiting until the process
     group's timeout; the error then says so.
     """
-    return Meeting(ctx, kind, steps_done, last_read, window, stop, cap, step_s, reset, plan).table()
+    return Meeting(ctx, kind, steps_done, last_read, window, stop, cap, step_s, reset, plan, slots=slots).table()
 
 
 def window_meeting(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, kind: int, step: int,
                    steps_done: int, rows: list[list[float]], stop: bool = False, cap: int | None = None,
-                   reset: bool = False) -> Meeting:
-    """Start the meeting of a window that ended at ``step`` (``kind``: INTERVAL or CHECK); ``rows``: this rank's."""
-    mine, step_s = summarise(loop, ctx.rank, rows)
+                   reset: bool = False, summarised: int | None = None, slots: int = 0) -> Meeting:
+    """Start the meeting of a window that ended at ``step`` (``kind``: INTERVAL or CHECK); ``rows``: this rank's
+    rows of the window so far, sent along; the loop's summary is of the last ``summarised`` of them (all: None)."""
+    mine, step_s = summarise(loop, ctx.rank, rows if summarised is None else rows[-summarised:])
     return Meeting(ctx, kind, steps_done, schedule.last_read, mine, stop, cap, step_s, reset,
-                   plan_checksum(schedule, step, loop.lag))
+                   plan_checksum(schedule, step, loop.lag), rows, slots)

@@ -7,21 +7,26 @@ micro-batches of a step together, and the user calls ``ol.backward(loss)``
 once per micro-batch, then ``optimizer.step()`` and ``ol.step()``.
 
 Sample weighting (default): micro-batch ``j``'s mean loss is scaled by
-``m_ij / b_i`` and the comm hook weights the worker's sum by ``b_i / B``, so
-the update is ``sum_ij (m_ij / B) g_ij``, the gradient of the mean loss over
-the global batch, whatever the split, the plan or ``k``.
+``m_ij / b_i`` and the worker's sum is weighted by ``b_i / B``, so the
+update is ``sum_ij (m_ij / B) g_ij``, the gradient of the mean loss over the
+global batch, whatever the split, the plan or ``k``. Under DDP both factors
+scale the loss (``n m_ij / B``: DDP's own C++ mean divides by its ``n``
+ranks, :mod:`omnilearn.bsp.backward`); under FSDP2 the weight is applied in
+the reduce-scatter (:mod:`omnilearn.bsp.sharded`).
 
 Count weighting (``count=``, e.g. the non-padding tokens a token loss
 averages over): the mean over a micro-batch's terms is scaled by
 ``n_ij / c_i`` (``c_i = k * max(n_i0, 1)``, any positive constant works; this
 one keeps the scale near ``1 / k``); at the last micro-batch one all-reduce
-sums ``N = sum_ij n_ij`` over DDP's group and the hook weights by
-``c_i / N``: the update is the mean over every term of the global batch.
+sums ``N = sum_ij n_ij`` over DDP's group and the worker's sum is weighted
+by ``c_i / N`` (under DDP: the gradients accumulated so far are multiplied
+by ``n c_i / N`` and the last loss scaled by it; under FSDP2 in the
+reduce-scatter): the update is the mean over every term of the global batch.
 The counts stay on the device (no host sync). Use it on every rank at the
 same steps (the all-reduce is a collective); a micro-batch with count 0
 must still have a finite loss (it is scaled by 0). A step whose counts are
 0 on every rank (``N = 0``: nothing to average) gets a zero gradient, not a
-division by zero: the hook divides by ``max(N, 1)``, and ``optimizer.step()``
+division by zero: the weight divides by ``max(N, 1)``, and ``optimizer.step()``
 then moves only by what the optimizer adds itself (momentum, weight decay);
 the step's logged loss is NaN (a mean over no term).
 
@@ -52,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from omnilearn.bsp import sharded
 from omnilearn.data.plan import micro_sizes
-from omnilearn.distributed.hooks import HookState
+from omnilearn.bsp.backward import HookState
 
 
 class MicroSteps:
@@ -66,22 +71,40 @@ class MicroSteps:
         self.after_local_backward = after_local_backward  # the delay emulator
         self.model: nn.Module | None = None
         self.reduced = False  # whether the model's reduction applies hook.weight (DDP, or FSDP2 on several ranks)
+        self.mean_over = 0  # DDP's rank count: its C++ mean divides by it, the loss is scaled by n b_i / B (0: not DDP)
+        self.sync: bool | None = None  # what the model was last told (set only when it changes)
+        self.planned_for: dict[int, tuple[int, ...]] = {}
         self.begin(global_batch)
+
+    def use_model(self, model: nn.Module, grouped: bool, world_size: int) -> None:
+        """The wrapped model: how its gradients are reduced (see the module docstring)."""
+        self.model, self.sync = model, None
+        # FSDP2 on one rank copies instead of reduce-scattering: the weight is applied to the gradients then
+        self.reduced = grouped and (world_size > 1 or not sharded.is_sharded(model))
+        self.mean_over = model.process_group.size() if isinstance(model, DDP) else 0
+        self.split(self.planned)
 
     def begin(self, batch: int) -> None:
         """A step with this worker's share ``batch`` starts (as the loader's ``accumulation_steps`` micro-batches)."""
-        self.batch, self.planned = batch, micro_sizes(batch, self.steps)
-        self.split(self.planned)
+        planned = self.planned_for.get(batch)
+        if planned is None:
+            planned = self.planned_for.setdefault(batch, micro_sizes(batch, self.steps))
+        self.batch, self.planned = batch, planned
+        self.split(planned)
 
     def split(self, sizes: tuple[int, ...]) -> None:
         """Run the open step as micro-batches of ``sizes`` (summing to the share); resets what was done of it."""
-        if sum(sizes) != self.batch or min(sizes) < 1:
+        if sizes is not self.planned and (sum(sizes) != self.batch or min(sizes) < 1):
             raise ValueError(f"micro-batches of {list(sizes)} samples do not make this step's share of {self.batch}")
         self.sizes, self.done = tuple(sizes), 0
         self.counts: list[torch.Tensor] | None = None
         self.base: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
-        self.hook.weight = self.batch / self.global_batch
+        hook = self.hook
+        hook.weight = self.batch / self.global_batch
+        hook.output_scale = self.mean_over * hook.weight if self.mean_over else None
+        hook.weighted = not self.mean_over  # DDP: the output hook or ol.backward weights it
+        hook.unhooked = None
         self._sync_next_forward(len(self.sizes) == 1)
 
     def syncing(self) -> bool:
@@ -96,6 +119,9 @@ class MicroSteps:
                 f"this step runs as {k} micro-batches (its share is above this worker's memory cap)")
 
     def _sync_next_forward(self, sync: bool) -> None:
+        if sync is self.sync:
+            return
+        self.sync = sync
         if isinstance(self.model, DDP):
             self.model.require_backward_grad_sync = sync
         elif sharded.is_sharded(self.model):
@@ -109,14 +135,17 @@ class MicroSteps:
                                f"call per micro-batch, then optimizer.step() and ol.step()")
         last = j == k - 1
         if count is None and self.counts is None:
-            scale: float | torch.Tensor = self.sizes[j] / self.batch
+            share: float | torch.Tensor = self.sizes[j] / self.batch
+            scale = share * (self.mean_over * self.hook.weight) if self.mean_over else share
         else:
-            scale = self._count_scale(j, count, loss, last)
+            share = self._count_scale(j, count, loss, last)
+            scale = share * self._ddp_count_factor(loss) if self.mean_over and last else share
+        self.hook.output_scale, self.hook.weighted = None, True  # the loss carries the weight: outputs stay as they are
         (loss if isinstance(scale, float) and scale == 1.0 else loss * scale).backward()
         if self.counts is not None and last and not self.reduced:
             self._rescale_local_grads()
         self.done += 1
-        part = loss.detach() * (scale if self.counts is None else self.counts[-1])
+        part = loss.detach() * (share if self.counts is None else self.counts[-1])
         self.loss = part if self.loss is None else self.loss + part
         if not last:
             self.after_local_backward()
@@ -135,6 +164,15 @@ class MicroSteps:
             # N = 0 (no term in the whole global batch): every scale above was 0, so the step's gradient is zero
             self.hook.weight = self.base / torch.clamp(total, min=1.0)  # 0-dim float64: no host sync, exact in float64
         return (n / self.base).to(loss.dtype)
+
+    def _ddp_count_factor(self, loss: torch.Tensor) -> torch.Tensor:
+        """DDP, token counts, the last micro-batch: ``n c_i / N`` for it, and for the gradients accumulated so far."""
+        factor = self.mean_over * self.hook.weight
+        if len(self.counts) > 1:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
+        return factor.to(loss.dtype)
 
     def _rescale_local_grads(self) -> None:
         """One process, no hook: apply the hook's factor ``c / N`` to the gradients directly."""

@@ -109,7 +109,7 @@ from omnilearn.decisions import check_every, make_loop
 from omnilearn.data.windows import IndexStream, WindowPlan
 from omnilearn.distributed import failures, group
 from omnilearn.distributed.collect import average_buffers, gather_to_main, share_path, sum_tensor
-from omnilearn.distributed.hooks import HookState
+from omnilearn.bsp.backward import HookState
 from omnilearn.observe.modelfile import saver
 from omnilearn.observe.rankrows import RankRows
 from omnilearn.observe.recorder import Telemetry
@@ -206,9 +206,7 @@ class Session(MemorySteps, IntervalEnds):
             self.model = self._adopt_sharded(model, ddp_kwargs)
         else:
             self.model = wrap(model, self.device, self.ctx.grouped, self.hook, **ddp_kwargs)
-        # FSDP2 on one rank copies instead of reduce-scattering: the weight is applied to the gradients then
-        self.micro.model = self.model
-        self.micro.reduced = self.ctx.grouped and (self.world_size > 1 or not sharded.is_sharded(self.model))
+        self.micro.use_model(self.model, self.ctx.grouped, self.world_size)
         emulated = memory.fault_oom_samples(self.rank)
         if emulated is not None:
             memory.emulate_oom(self.model, emulated)
@@ -342,6 +340,9 @@ class Session(MemorySteps, IntervalEnds):
             raise RuntimeError("step() without a batch: iterate the loader from data_loader() and call step() "
                                "once per batch")
         logged = self.micro.finish()
+        if not self.hook.weighted and self.hook.unhooked is not None:
+            raise ConfigError(f"the model's output ({self.hook.unhooked}) holds no tensor that needs a gradient, so "
+                              "OmniLearn cannot weight loss.backward() through it: call ol.backward(loss) instead")
         if logged is None and loss is not None:
             logged = loss.detach() if torch.is_tensor(loss) else float(loss)
         batch = self.schedule.at(self.ledger.open)[self.rank]
@@ -372,7 +373,7 @@ class Session(MemorySteps, IntervalEnds):
         self._read_meeting()
         if self.model is None or not self.ctx.grouped:
             return
-        meet(self.ctx, SYNC_BUFFERS, self.steps_done)
+        meet(self.ctx, SYNC_BUFFERS, self.steps_done, slots=self.cfg.control_interval)
         self._average_buffers()
 
     def _average_buffers(self) -> None:

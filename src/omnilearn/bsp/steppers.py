@@ -6,9 +6,9 @@ attributes: ``cfg``, ``ctx``, ``loop``, ``schedule``, ``ledger``, ``micro``,
 
 - :class:`MemorySteps`: ``ol.run_step(fn, batch)``, ``ol.micro_batches(batch)``
   and ``ol.max_batch`` (:mod:`omnilearn.bsp.memory`, docs/memory.md);
-- :class:`IntervalEnds`: the end of a control interval (one all-gather, the
-  decision, this rank's rows to its file, two reductions of per-step totals
-  to rank 0, buffers, telemetry) and the mid-interval checks for a speed shift
+- :class:`IntervalEnds`: the end of a control interval (one all-gather that
+  also carries the step rows rank 0 totals, the decision, this rank's rows to
+  its file, buffers, telemetry) and the mid-interval checks for a speed shift
   (:mod:`omnilearn.bsp.interval`); both carry this rank's pending reducer
   reset and, if any rank has one, make every rank reset DDP's reducer after
   the same step (:class:`~omnilearn.bsp.memory.ReducerResets`).
@@ -44,8 +44,7 @@ from omnilearn.bsp import memory, sharded
 from omnilearn.balance.controllers import Decision
 from omnilearn.bsp.interval import Meeting, window_meeting
 from omnilearn.decisions import CHECK, INTERVAL, check, feed, reset_asked, stop_asked
-from omnilearn.distributed.collect import reduce_to_main
-from omnilearn.observe.rankrows import Totals, partials
+from omnilearn.observe.rankrows import Totals
 from omnilearn.stopping import stop_requested
 
 
@@ -146,14 +145,16 @@ class IntervalEnds:
     def _end_interval(self, step: int) -> None:
         rows = self.ledger.take_rows()
         meeting = window_meeting(self.ctx, self.loop, self.schedule, INTERVAL, step, self.steps_done, rows,
-                                 stop_requested(), cap=self.memory.reported(), reset=self.resets.report())
+                                 stop_requested(), cap=self.memory.reported(), reset=self.resets.report(),
+                                 slots=self.cfg.control_interval)
         self._started(WindowRead(meeting, INTERVAL, step, rows))
 
     def _check(self, step: int) -> None:
         """A look at the steps since the last check: the loop decides if some worker's speed clearly shifted."""
         rows = self.ledger.rows()
-        meeting = window_meeting(self.ctx, self.loop, self.schedule, CHECK, step, self.steps_done,
-                                 rows[-self.check_every:], cap=self.memory.reported(), reset=self.resets.report())
+        meeting = window_meeting(self.ctx, self.loop, self.schedule, CHECK, step, self.steps_done, rows,
+                                 cap=self.memory.reported(), reset=self.resets.report(), summarised=self.check_every,
+                                 slots=self.cfg.control_interval)
         self._started(WindowRead(meeting, CHECK, step, rows[:]))
 
     def _started(self, read: WindowRead) -> None:
@@ -191,21 +192,20 @@ class IntervalEnds:
         self.resets.met(reset_asked(table))
         if read.kind == INTERVAL:
             self.should_stop = self.should_stop or stop_asked(table)
-            self._close_window(at, decision, read.rows)
+            self._close_window(at, decision, read)
         elif decision is not None:  # recorded: the window ends with the steps the check saw
-            self._close_window(at, decision, self.ledger.take_first(len(read.rows)))
+            self.ledger.take_first(len(read.rows))
+            self._close_window(at, decision, read)
 
-    def _close_window(self, step: int, decision, rows: list[list[float]]) -> None:
-        """After a decision: caps seen, the window's rows to this rank's file, their totals to rank 0, buffers
-        averaged, telemetry."""
+    def _close_window(self, step: int, decision, read: WindowRead) -> None:
+        """After a decision: caps seen, the window's rows to this rank's file, rank 0 totals every rank's (the
+        meeting carried them), buffers averaged, telemetry."""
         self._record_caps(step)
         self._warn_pinned()
-        self.rank_rows.add(rows)
-        reduced = reduce_to_main(self.ctx, *partials(rows)) if rows else None  # same row count on every rank
+        self.rank_rows.add(read.rows)
         self._average_buffers()
         if self.telemetry is not None:
-            totals = Totals.of([int(r[0]) for r in rows], *reduced, self.ctx.world_size, self.cfg.global_batch) \
-                if reduced is not None else None
+            totals = Totals.of_table(read.meeting.rows(), self.cfg.global_batch) if read.rows else None
             effective = decision.effective_step
             self.telemetry.window(totals, decision, step + 1 + self.run.lag if effective is None else effective)
 

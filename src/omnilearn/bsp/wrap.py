@@ -1,13 +1,14 @@
-"""Wrapping the user's model: DDP with the weighted gradient hook, and a guarded ``no_sync``.
+"""Wrapping the user's model: DDP on its own C++ path, weighted, and a guarded ``no_sync``.
 
 :func:`wrap` moves the model to the rank's device and, in a process group,
-wraps it in :class:`BalancedDDP` (DDP; buffers are not broadcast from rank 0
-every forward: the session averages them by batch share) with
-:func:`~omnilearn.distributed.hooks.weighted_allreduce_hook` on DDP's own
-process group.
+wraps it in :class:`BalancedDDP`: DDP with no comm hook (its C++ reducer
+averages and all-reduces the buckets; buffers are not broadcast from rank 0
+every forward: the session averages them by batch share), whose syncing
+forward hands its output to :class:`~omnilearn.bsp.backward.BackwardMarks`
+(the weight, and the ready and reduced marks of the step).
 
 The model holds the process group (DDP's C++ reducer and logger, its
-``process_group`` and the hook state): while it does, destroying the group
+``process_group``): while it does, destroying the group
 leaves its gloo threads and sockets running on into interpreter
 finalisation, where a gloo thread that must take the GIL aborts the process
 (docs/failures.md, "The abort at exit"). :func:`release` makes a
@@ -47,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from omnilearn.bsp.sharded import is_sharded, sharded_inside
 from omnilearn.config import ConfigError
 from omnilearn.distributed import group
-from omnilearn.distributed.hooks import HookState, weighted_allreduce_hook
+from omnilearn.bsp.backward import BackwardMarks, HookState
 
 # Buffers are averaged by the session, not copied from rank 0 every forward (the flag's name changed in torch 2.13).
 NO_BUFFER_BROADCAST = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
@@ -65,7 +66,12 @@ class BalancedDDP(DDP):
         if "reducer" not in self.__dict__:  # released: no group left to sync with
             return self.module(*inputs, **kwargs)
         self._check_order()
-        return super().forward(*inputs, **kwargs)
+        out = super().forward(*inputs, **kwargs)
+        if self.require_backward_grad_sync and torch.is_grad_enabled():
+            marks = self.__dict__.get("marks")
+            if marks is not None:
+                marks.on_output(out)
+        return out
 
     def _check_order(self) -> None:
         """Refuse what was done to the model after ``ol.wrap_model`` (module docstring): every forward, the cheap
@@ -101,12 +107,13 @@ def outer_ddp(model: DDP) -> DDP | None:
     return active if active is not None and active is not model else None
 
 
-# DDP keywords that replace or bypass the weighted comm hook: the gradients they touch would be averaged unweighted.
+# DDP keywords that change how gradients are reduced, outside what the weighting and the step's marks assume.
 UNWEIGHTED_DDP_KWARGS = {
-    "mixed_precision": "DDP's own mixed precision registers a comm hook of its own; use torch.autocast instead",
-    "delay_all_reduce_named_params": "those parameters are all-reduced outside the comm hook, averaged unweighted; "
-                                     "drop it",
-    "param_to_hook_all_reduce": "it all-reduces outside the comm hook, averaged unweighted; drop it",
+    "mixed_precision": "DDP's own mixed precision casts the gradients in a comm hook of its own; use torch.autocast "
+                       "instead",
+    "delay_all_reduce_named_params": "those parameters are all-reduced after the backward, outside the step's "
+                                     "weighted timing; drop it",
+    "param_to_hook_all_reduce": "it all-reduces outside the step's weighted timing; drop it",
 }
 
 
@@ -118,7 +125,7 @@ def refuse_unweighted(ddp_kwargs: dict[str, Any]) -> None:
 
 
 def wrap(model: nn.Module, device: torch.device, grouped: bool, hook: HookState, **ddp_kwargs: Any) -> nn.Module:
-    """``model`` on ``device``; in a process group a :class:`BalancedDDP` reducing through ``hook``."""
+    """``model`` on ``device``; in a process group a :class:`BalancedDDP` weighted and marked through ``hook``."""
     refuse_unweighted(ddp_kwargs)
     model = model.to(device)
     if not grouped:
@@ -126,7 +133,7 @@ def wrap(model: nn.Module, device: torch.device, grouped: bool, hook: HookState,
     ids = [device] if device.type == "cuda" else None
     model = BalancedDDP(model, device_ids=ids, **{**NO_BUFFER_BROADCAST, **ddp_kwargs})
     hook.process_group = model.process_group
-    model.register_comm_hook(hook, weighted_allreduce_hook)
+    model.__dict__["marks"] = BackwardMarks(hook, list(model.module.parameters()))
     _WRAPPED.add(model)
     group.before_destroy(release_wrapped)
     return model
@@ -136,16 +143,15 @@ def release(model: nn.Module | None) -> None:
     """Make a :class:`BalancedDDP` let go of its process group (idempotent; anything else is left alone).
 
     Drops DDP's reducer and logger (C++: the reducer holds the group), its
-    ``process_group`` and its comm hook's state's group, so that destroying the
+    ``process_group`` and the marks' hooks and group, so that destroying the
     group ends its threads there and then. Call it once no rank syncs any more.
     """
     if not isinstance(model, BalancedDDP):
         return
-    hooks = model.__dict__.get("_comm_hooks", [])
-    for _, state in hooks:
-        if isinstance(state, HookState):
-            state.process_group = None
-    hooks.clear()
+    marks = model.__dict__.pop("marks", None)
+    if marks is not None:
+        marks.remove()
+        marks.state.process_group = None
     for name in _HOLDS_GROUP:
         model.__dict__.pop(name, None)
     _WRAPPED.discard(model)

@@ -1,11 +1,9 @@
 """Small collectives the session needs besides DDP's gradient all-reduce.
 
-Per control interval: one :func:`all_gather_row` of a few numbers per rank
-(every rank runs the same control loop on the same table; :class:`RowGathering`
-starts it and reads it later, so a meeting overlaps the next step), and
-:func:`reduce_to_main`, two reductions that bring the window's per-step totals
-to rank 0 only (the recorder's): rank 0 receives ``O(steps)`` numbers, not
-every rank's rows. :func:`gather_to_main` brings one small table per rank to
+Per window: one all-gather of a row per rank (every rank runs the same
+control loop on the same table, and rank 0 totals the window's step rows the
+row carries; :class:`RowGathering` starts it and reads it later, so a meeting
+overlaps the next step). :func:`gather_to_main` brings one small table per rank to
 rank 0 (the summary's per-worker sums, once at the end). One process alone
 (no group) gets its own data back.
 
@@ -66,20 +64,6 @@ def gather_to_main(ctx: DistContext, rows: list[list[float]], width: int) -> lis
     parts = [torch.empty_like(local) for _ in range(ctx.world_size)] if ctx.is_main else None
     dist.gather(local, parts, dst=0)
     return [p.cpu().tolist() for p in parts] if parts is not None else None
-
-
-def reduce_to_main(ctx: DistContext, summed: Sequence[float], maxed: Sequence[float]
-                   ) -> tuple[list[float], list[float]] | None:
-    """Rank 0 gets ``summed`` added up over the ranks and ``maxed`` maximised element-wise; other ranks get None."""
-    if not ctx.grouped:
-        return [float(v) for v in summed], [float(v) for v in maxed]
-    sums = torch.tensor([float(v) for v in summed], dtype=torch.float64, device=ctx.device)
-    maxes = torch.tensor([float(v) for v in maxed], dtype=torch.float64, device=ctx.device)
-    works = [dist.reduce(sums, dst=0, op=dist.ReduceOp.SUM, async_op=True),  # both in flight at once
-             dist.reduce(maxes, dst=0, op=dist.ReduceOp.MAX, async_op=True)]
-    for work in works:
-        work.wait()
-    return (sums.cpu().tolist(), maxes.cpu().tolist()) if ctx.is_main else None
 
 
 def share_path(ctx: DistContext, path: Path | None) -> Path | None:

@@ -1,15 +1,16 @@
 """Each rank's own part of BSP's record: its step rows in its own file, its sums; rank 0 gets totals only.
 
-Rank 0's bookkeeping per step does not grow with the number of workers:
+Rank 0's files and console do not grow with the number of workers:
 
 - every rank writes its own step rows (:data:`~omnilearn.observe.recorder.ROW_FIELDS`,
   plus ``epoch`` and ``rank``) as ``step`` events to ``RUN_DIR/steps/rank-<r>.jsonl``
   (:class:`RankRows`), once per control interval;
 - every rank keeps its own per-step sums (batch, compute, wait) for the
   summary's per-worker means, gathered to rank 0 once, at the end;
-- rank 0 gets each interval's per-step totals by two reductions
-  (:func:`partials`: a sum and a maximum of ``4k + 1`` and ``k + 1`` numbers for
-  ``k`` steps), never the ranks' rows.
+- rank 0 totals each window per step (:meth:`Totals.of_table`: a sum and a
+  maximum over the ranks of :func:`partials`) from the rows the window's
+  meeting carries anyway (8 numbers a step per rank, in its all-gather:
+  :mod:`omnilearn.bsp.interval`), so the totals cost no collective.
 
 A resume writes a ``resume`` event into each rank's file (and rank 0 into
 the files of ranks a smaller restart no longer has: :func:`void_gone`), so
@@ -144,7 +145,9 @@ class Totals:
     @classmethod
     def of_table(cls, table: Sequence[Sequence[Sequence[float]]], global_batch: int) -> Totals:
         """The same totals from every rank's rows at once (one process holds them all: TensorFlow, tests)."""
-        parts = [partials(rows) for rows in table]
-        summed = np.sum([p[0] for p in parts], axis=0)
-        maxed = np.max([p[1] for p in parts], axis=0)
-        return cls.of([int(r[0]) for r in table[0]], summed, maxed, len(table), global_batch)
+        a = np.asarray(table, dtype=np.float64).reshape(len(table), -1, len(ROW_NAMES))  # (ranks, steps, fields)
+        batch, compute, wait, step_s, loss = (a[..., i] for i in range(1, 6))
+        speed = np.divide(batch, compute, out=np.zeros_like(batch), where=compute > 0)
+        summed = np.stack((batch, speed, step_s, batch * loss), axis=2).sum(axis=0).reshape(-1)
+        maxed = np.concatenate(((-wait).max(axis=0), [wait.mean(axis=1).max() if a.shape[1] else 0.0]))
+        return cls.of([int(v) for v in a[0, :, 0]], summed, maxed, len(table), global_batch)

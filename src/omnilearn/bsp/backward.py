@@ -1,0 +1,180 @@
+"""The weighted backward on DDP's own C++ path: no Python per gradient bucket.
+
+DDP averages the gradients of its ``n`` ranks (its C++ reducer divides
+each gradient by ``n`` as it copies it into a bucket, and all-reduces with
+its built-in hook). With unequal batches the exact global-batch gradient is
+``g = sum_i (b_i / B) g_i``; so each rank's backward is scaled by
+``n b_i / B`` (DESIGN.md, "the weighting") and DDP's own mean is the
+weighted sum. Where the scale is applied:
+
+- ``ol.backward(loss)`` (and ``run_step``, the doors): the loss itself, with
+  the micro-batch's share (:mod:`omnilearn.bsp.micro`): every term of it,
+  however it reaches the parameters;
+- a plain ``loss.backward()``: the gradient flowing into the model's outputs
+  (a hook on each output tensor that needs a gradient, installed by the
+  step's syncing forward, :meth:`BackwardMarks.on_output`). Every loss term
+  computed from the outputs is weighted; a term that reaches the parameters
+  another way (a penalty on the weights, an auxiliary loss a module keeps as
+  an attribute) is averaged as plain DDP averages it. A penalty on the
+  weights is the same on every rank, so its average is itself, as in the
+  exact sum; a rank's own auxiliary term is not weighted: use
+  ``ol.backward(loss)`` for it (docs/guide.md).
+
+A model whose output holds no tensor that needs a gradient (a type that is
+not a pytree) cannot be weighted that way: ``ol.step()`` raises, naming
+``ol.backward(loss)``.
+
+The compute/wait split and the delay emulator need the moment this rank's
+last gradient is ready, before DDP launches the last bucket's all-reduce
+(what the old per-bucket comm hook's last call saw). On the first syncing
+backward a hook on every parameter learns which one's gradient comes last;
+from then on one hook on that parameter (``register_post_accumulate_grad_hook``,
+which runs before DDP's own hook on the same parameter) calls ``on_ready``:
+the emulator sleeps there and the timer marks it. The output hook queues an
+engine callback for the end of the backward graph (a step whose learned
+parameter got no gradient marks ready there), and that callback queues
+another, which the autograd engine runs after DDP's ``finalize_backward``
+(queued in between, when the last bucket was launched): the reductions are
+done, or on CUDA the stream waits for them, and ``on_reduced`` marks it.
+Per step: one call per output tensor, one parameter hook, two engine
+callbacks, and one multiplication of the output's gradient (none after
+``ol.backward``).
+
+``torch.autograd.Variable._execution_engine.queue_callback`` is private
+(DDP and FSDP use it themselves); tests/unit/test_torch_private_names.py
+holds it to that.
+
+Run: ``python -m pytest -q tests/dist/test_hooks.py tests/dist/test_api.py``
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
+
+
+class _Callback:
+    """A callback attribute: a bound method is kept as a weak reference (None once its object is gone), so the
+    model (which holds the marks and their state) never keeps the session that set it alive."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, state: "HookState | None", owner: type | None = None):
+        if state is None:
+            return self
+        ref = getattr(state, self.slot)
+        return None if ref is None else ref()
+
+    def __set__(self, state: "HookState", fn: Callable | None) -> None:
+        ref = None if fn is None else weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
+        setattr(state, self.slot, ref)
+
+
+class HookState:
+    """What the backward's hooks read each step; the session sets it when a step starts.
+
+    ``process_group``: the group DDP reduces over (None: the default group). ``weight``: this worker's share of
+    the step's gradient, ``b_i / B``, or ``count_i / sum(count)`` for token losses (then a 0-dim tensor on the
+    device, so reading it never synchronises): FSDP2's weighted reduce-scatter applies it
+    (:mod:`omnilearn.bsp.sharded`). ``output_scale``: ``n b_i / B`` for DDP's mean (None while ``ol.backward``
+    runs: the loss is scaled already). ``weighted``: this step's gradient got its weight; ``unhooked``: the type
+    of a syncing forward's output that held no tensor to hook. ``on_ready()`` / ``on_reduced(last)``: the
+    marks (module docstring); bound methods are held weakly.
+    """
+
+    on_ready = _Callback()
+    on_reduced = _Callback()
+
+    def __init__(self, process_group: Any = None, weight: Any = 1.0, on_ready: Callable[[], None] | None = None,
+                 on_reduced: Callable[[bool], None] | None = None) -> None:
+        self.process_group, self.weight = process_group, weight
+        self.output_scale: float | None = None
+        self.weighted = False
+        self.unhooked: str | None = None
+        self.on_ready, self.on_reduced = on_ready, on_reduced
+
+
+def _grad_leaves(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class BackwardMarks:
+    """Per step of a :class:`~omnilearn.bsp.wrap.BalancedDDP` model: the output scale, ready and reduced marks."""
+
+    def __init__(self, state: HookState, params: list[torch.nn.Parameter]) -> None:
+        self.state = state
+        self.params = [p for p in params if p.requires_grad]
+        self.handles: list = []
+        self.last: torch.nn.Parameter | None = None  # the parameter whose gradient is ready last (learned)
+        self.order: list[int] | None = None  # while learning: parameters in the order their gradients came
+        self.armed = self.queued = False  # a syncing forward ran; its end-of-graph callback is queued
+
+    def on_output(self, out) -> None:
+        """A syncing forward's output (grad enabled): hook the gradients flowing into it."""
+        leaves = _grad_leaves(out)
+        state = self.state
+        if not leaves:
+            state.unhooked = type(out).__name__
+            return
+        self.armed, self.queued = True, False
+        for t in leaves:
+            t.register_hook(self._output_grad)
+        if self.last is None and self.order is None:
+            self.order = []
+            self.handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self.order.append(i))
+                            for i, p in enumerate(self.params)]
+
+    def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self.queued:
+            self.queued = True
+            Variable._execution_engine.queue_callback(self._end_of_graph)
+        scale = self.state.output_scale
+        if scale is None:  # ol.backward scaled the loss itself
+            return grad
+        self.state.weighted = True
+        return grad * scale
+
+    def _last_grad(self, _param) -> None:
+        if self.armed:
+            self._ready()
+
+    def _ready(self) -> None:
+        self.armed = False
+        on_ready = self.state.on_ready
+        if on_ready is not None:
+            on_ready()
+
+    def _end_of_graph(self) -> None:
+        if self.order is not None:
+            self._learned()
+        if self.armed:  # the learned parameter got no gradient this step (or this was the learning step)
+            self._ready()
+        Variable._execution_engine.queue_callback(self._reduced)  # runs after DDP's finalize_backward
+
+    def _learned(self) -> None:
+        order, self.order = self.order, None
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if order:
+            self.last = self.params[order[-1]]
+            self.handles = [self.last.register_post_accumulate_grad_hook(self._last_grad)]
+
+    def _reduced(self) -> None:
+        on_reduced = self.state.on_reduced
+        if on_reduced is not None:
+            on_reduced(True)
+
+    def remove(self) -> None:
+        """Take the parameter hooks off (the model lets go of its group: :func:`omnilearn.bsp.wrap.release`)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.order, self.armed = [], None, False
