@@ -33,7 +33,9 @@ was blocked in them (:meth:`~omnilearn.clocks.host.HostClock.add_blocked`):
   blocks until every peer joined), and so is each unit's
   ``wait_for_unshard`` (where an asynchronous, prefetched all-gather is
   waited for); the process CPU time spent meanwhile (gloo's threads moving
-  the bytes) is left out of the native compute the emulator multiplies;
+  the bytes) is left out of the native compute the emulator multiplies,
+  and is read only in a step that needs it (``cpu_time``: reading it is
+  costly, :mod:`omnilearn.bsp.sharded_comms`);
 - CUDA: the host does not block; the compute stream does, in
   ``wait_for_unshard`` (all-gathers) and ``finalize_backward`` (the end of
   backward waits for the reduce-scatters). CUDA events on the compute stream
@@ -42,7 +44,8 @@ was blocked in them (:meth:`~omnilearn.clocks.host.HostClock.add_blocked`):
 
 The delay emulator tops up a slow worker's time before each collective
 (so a slow worker is slow all through forward and backward, and its
-peers wait for it in the next collective, as with a slow machine).
+peers wait for it in the next collective, as with a slow machine). The
+collectives and their timing live in :mod:`omnilearn.bsp.sharded_comms`.
 
 Refused, in one line naming the supported route: FSDP1
 (``FullyShardedDataParallel``), a model already in DDP, DeepSpeed engines,
@@ -67,21 +70,16 @@ Run: ``python -m pytest -q tests/dist/test_fsdp.py``
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from omnilearn.bsp.sharded_comms import HostWait, TimedAllGather, WeightedReduceScatter, always, timed_wait
 from omnilearn.checkpoint import CheckpointError
 
-
-# torch 2.13 renamed them (the old names warn); the same collectives
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 ROUTE = ("shard it with torch.distributed.fsdp.fully_shard (FSDP2) and pass the FSDPModule to ol.wrap_model(), or "
          "pass the plain module (ol.wrap_model wraps it in DDP)")
@@ -150,58 +148,16 @@ def _mesh_shape(p: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(mesh.shape) if mesh is not None else None
 
 
-class _Timed:
-    """What a comm needs from the session: the emulator to run before, the timer to add blocked time to."""
-
-    def __init__(self, before: Callable[[], object], blocked: Callable[[float, float], None], cuda: bool) -> None:
-        self.before, self.blocked, self.cuda = before, blocked, cuda
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def timed(self, call: Callable[[], Any]) -> Any:
-        self.before()
-        if self.cuda:  # the host does not wait; the compute stream's stalls are timed in the unit's waits
-            return call()
-        start, cpu = time.perf_counter(), time.process_time()
-        try:
-            return call()
-        finally:
-            self.blocked(time.perf_counter() - start, time.process_time() - cpu)
-
-
-class WeightedReduceScatter(_Timed):
-    """FSDP2's reduce-scatter with this rank's weight applied first and a SUM (see the module docstring)."""
-
-    def __init__(self, weight: Callable[[], Any], *args) -> None:
-        super().__init__(*args)
-        self.weight = weight
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any = None, async_op: bool = False):
-        weight = self.weight()
-        if torch.is_tensor(weight):
-            input_tensor.mul_(weight.to(input_tensor.dtype))
-        elif weight != 1.0:
-            input_tensor.mul_(weight)
-        return self.timed(lambda: _REDUCE_SCATTER(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group,
-                                                  async_op=async_op))
-
-
-class TimedAllGather(_Timed):
-    """FSDP2's all-gather, timed (a prefetched, asynchronous one is timed where it is waited for)."""
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False):
-        return self.timed(lambda: _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op))
-
-
 def prepare(model: nn.Module, weight: Callable[[], Any], before: Callable[[], object],
-            blocked: Callable[[float, float], None], stall: Callable[[Any, Any], None], device: torch.device) -> nn.Module:
-    """Make every FSDP unit of ``model`` reduce by weight and SUM, and time its collectives; returns ``model``."""
-    cuda = device.type == "cuda"
-    scatter = WeightedReduceScatter(weight, before, blocked, cuda)
-    gather = TimedAllGather(before, blocked, cuda)
+            blocked: Callable[[float, float], None], stall: Callable[[Any, Any], None], device: torch.device,
+            cpu_time: Callable[[], bool] | None = None) -> nn.Module:
+    """Make every FSDP unit of ``model`` reduce by weight and SUM, and time its collectives; returns ``model``.
+
+    ``cpu_time``: whether this step needs the process CPU time spent blocked (the delay emulator stretching this
+    rank's CPU time reads it); None: always measured (each read costs: :mod:`omnilearn.bsp.sharded_comms`)."""
+    host = None if device.type == "cuda" else HostWait(blocked, cpu_time or always)
+    scatter = WeightedReduceScatter(weight, before, host)
+    gather = TimedAllGather(before, host)
     for unit in model.modules():
         if not is_sharded(unit):
             continue
@@ -210,7 +166,7 @@ def prepare(model: nn.Module, weight: Callable[[], Any], before: Callable[[], ob
         unit.set_custom_all_gather(gather)
         for param_group in param_groups(unit):
             for name in ("wait_for_unshard", "finalize_backward"):
-                setattr(param_group, name, _timed_wait(getattr(param_group, name), blocked, stall, cuda))
+                setattr(param_group, name, timed_wait(getattr(param_group, name), host, stall))
     return model
 
 
@@ -222,26 +178,6 @@ def param_groups(unit: nn.Module) -> list[Any]:
         return list(groups)
     group = state._fsdp_param_group  # torch 2.11 (found on a GPU machine): at most one group per unit
     return [] if group is None else [group]
-
-
-def _timed_wait(wait: Callable[..., Any], blocked: Callable[[float, float], None], stall: Callable[[Any, Any], None],
-                cuda: bool) -> Callable[..., Any]:
-    """``wait`` (a unit's wait for its collectives), its blocking time added: host clock, or compute-stream events."""
-    def timed(*args, **kwargs):
-        if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            result = wait(*args, **kwargs)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            stall(start, end)
-            return result
-        begin, cpu = time.perf_counter(), time.process_time()
-        try:
-            return wait(*args, **kwargs)
-        finally:
-            blocked(time.perf_counter() - begin, time.process_time() - cpu)
-    return timed
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:
