@@ -14,8 +14,8 @@ method: that module's docstring). Per collective, on the hot path:
   delay emulator stretching this rank's CPU time): reading the process CPU
   clock sums every thread's time, gloo's running ones included, and at one
   read per collective and wait it cost a tiny GPT on 2 ranks over 2 cores
-  about 13% of its step (``tools/fsdp2_breakdown.py``), against 1% for the
-  wall clock alone.
+  7-14% of its step, the wall clock alone 0-4% (``tools/fsdp2_breakdown.py``,
+  docs/fsdp.md).
 - CUDA: the host does not block; CUDA events on the compute stream around
   each wait are the stall, handed to ``stall`` (resolved at the interval's
   end, no host sync).
