@@ -70,6 +70,8 @@ Run: ``python -m pytest -q tests/unit/test_loop.py tests/unit/test_guards.py tes
 
 from __future__ import annotations
 
+import weakref
+
 from statistics import NormalDist
 
 import numpy as np
@@ -89,6 +91,8 @@ SHIFT_Z = 3.0  # standard errors a window must move, besides ``shift``, to count
 MIN_MOVE_SAMPLES = 1
 PIN_WINDOWS = 3  # decisions in a row a worker must sit at min_batch, still the slowest, to be warned about
 
+
+_POOLS: "weakref.WeakKeyDictionary[ControlLoop, tuple]" = weakref.WeakKeyDictionary()  # _pooled's cache, outside the state
 
 class ControlLoop:
     """Windows in, decisions out; see the module docstring. State: the plan and the capped history."""
@@ -164,6 +168,15 @@ class ControlLoop:
             raise ValueError(f"window rows must be finite, got {table[~np.isfinite(table).all(axis=1)][:3]}")
         return table
 
+    def _pooled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:func:`robust_pool` of the kept windows, computed once per state of the ring (the mid-interval checks,
+        the record and the decision of one window all read the same pool)."""
+        key = (self.slot, self.kept.tobytes(), self.ring.tobytes())
+        cached = _POOLS.get(self)
+        if cached is None or cached[0] != key:
+            cached = _POOLS[self] = (key, robust_pool(self.ring, self.ages() < self.kept))
+        return cached[1]
+
     def ages(self) -> np.ndarray:
         """(history, 1): how many windows ago each ring row was written (0: the newest)."""
         return ((self.slot - np.arange(self.history)) % self.history)[:, None]
@@ -180,7 +193,7 @@ class ControlLoop:
     def _shift(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shifted mask, new / old time ratio) of an unrecorded window ``table``."""
         fresh = (table[:, 1] > 0) & (np.rint(table[:, 0]) == self.plan)
-        c_old, t_old, s_old = robust_pool(self.ring, self.ages() < self.kept)
+        c_old, t_old, s_old = self._pooled()
         c_new, t_new = table[:, 1], table[:, 2]
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = t_new / t_old
@@ -215,7 +228,7 @@ class ControlLoop:
 
     def estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per worker: samples at the current batch, time estimate (:func:`robust_pool`), its standard error."""
-        count, times, spread = robust_pool(self.ring, self.ages() < self.kept)
+        count, times, spread = self._pooled()
         stderr = MEDIAN_SE * spread / np.sqrt(np.where(count > 0, count, 1.0))
         return count, times, stderr
 

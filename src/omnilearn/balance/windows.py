@@ -31,12 +31,19 @@ def window_row(batch: int, times_s: Sequence[float]) -> tuple[float, float, floa
     another batch are left out by the caller. Median and spread are 0.0 when
     empty; the spread (1.4826 * MAD) is 0.0 with fewer than 2 times.
     """
-    t = np.asarray(times_s, dtype=float)
-    if t.size == 0:
+    t = [float(v) for v in times_s]  # a window's few numbers: plain floats are faster than an array here
+    if not t:
         return float(batch), 0.0, 0.0, 0.0
-    median = float(np.median(t))
-    spread = MAD_TO_SD * float(np.median(np.abs(t - median))) if t.size >= 2 else 0.0
-    return float(batch), float(t.size), median, spread
+    median = _median(t)
+    spread = MAD_TO_SD * _median([abs(v - median) for v in t]) if len(t) >= 2 else 0.0
+    return float(batch), float(len(t)), median, spread
+
+
+def _median(values: list[float]) -> float:
+    """``np.median`` of a short list, the same float: the middle value, or the mean of the middle two."""
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
 def window_table(batches: ArrayLike, times_s: ArrayLike) -> np.ndarray:

@@ -140,7 +140,7 @@ class BackwardMarks:
         if scale is None:  # ol.backward scaled the loss itself
             return grad
         self.state.weighted = True
-        return grad * scale
+        return grad if scale == 1.0 else grad * scale  # 1.0: equal shares, DDP's mean is the weighted sum
 
     def _last_grad(self, _param) -> None:
         if self.armed:

@@ -26,18 +26,20 @@ class Emulation:
 
     def __init__(self, cfg: BalanceConfig, ctx: DistContext, timer: StepTimer) -> None:
         self.rank, self.use_delay = ctx.rank, cfg.emulator == "delay"
-        self.delay = DelayEmulator(timer)
+        self.delay, self.timer = DelayEmulator(timer), timer
         self.throttle = for_run(cfg, ctx.rank, ctx.local_rank, ctx.local_world_size)
         self.applied: tuple[float, ...] | None = None
 
     def at_step(self, speeds: tuple[float, ...]) -> bool:
-        """A step starts under ``speeds``; True when they differ from the last step's."""
+        """A step starts under ``speeds`` (before its clock starts); True when they differ from the last step's."""
+        if speeds is self.applied:  # the schedule hands out the same tuple while the speeds hold
+            return False
         changed = speeds != self.applied
-        if changed:
-            self.applied = speeds
-            if self.throttle is not None:
-                self.throttle.apply(speeds)
+        self.applied = speeds
+        if changed and self.throttle is not None:
+            self.throttle.apply(speeds)
         self.delay.set_slowdown(slowdown(speeds, self.rank) if self.use_delay else 1.0)
+        self.timer.cpu_clock = self.delay.slowdown > 1.0  # only the emulator reads a step's CPU time
         return changed
 
     def release(self) -> None:

@@ -223,7 +223,8 @@ class Session(MemorySteps, IntervalEnds):
             raise ConfigError('max_batch="auto" is not supported with FSDP2 (sharded memory is not probed): give '
                               "max_batch=<samples> (one cap, or one per worker); a share above it runs as micro-batches")
         return sharded.prepare(model, weight=lambda: self.hook.weight, before=lambda: self.emulator.before_sync(),
-                               blocked=self.timer.add_blocked, stall=self.timer.add_stall, device=self.device)
+                               blocked=self.timer.add_blocked, stall=self.timer.add_stall, device=self.device,
+                               cpu_time=lambda: self.emulator.slowdown > 1.0)
 
     def data_loader(self, dataset, *, num_workers: int = 0, collate_fn=None, pin_memory: bool | None = None,
                     prefetch_factor: int | None = None) -> BalancedLoader:

@@ -13,6 +13,8 @@ of the run; a TOML file lists changes::
 
 from __future__ import annotations
 
+import bisect
+
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -98,8 +100,7 @@ class SpeedSchedule:
             raise SpeedError(f"schedule steps {list(self.starts)} must start at 0 and increase")
 
     def at(self, step: int) -> tuple[float, ...]:
-        i = max(j for j, s in enumerate(self.starts) if s <= step)
-        return self.speeds[i]
+        return self.speeds[bisect.bisect_right(self.starts, step) - 1]  # starts increase from 0 (checked above)
 
     def changes_from(self, step: int) -> tuple[int, ...]:
         """The steps, at or after ``step``, at which the speeds change (e.g. those past a run's end)."""
