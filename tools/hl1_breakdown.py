@@ -4,16 +4,17 @@ Plain DDP and OmniLearn's API loop are built once per process, each with its own
 and trained in alternating blocks of ``--steps`` steps (plain, OmniLearn, plain, ...), so a slow moment of the
 machine falls on both alike. The workload is the default job's data (MNIST-1D) with ``--model`` (``cnn1d``: the
 default job's; ``mlp``: a tiny model, so a step is mostly host time) at equal speeds, SGD, ``--global-batch``.
-Every rank times each part of its loop with ``time.perf_counter`` (CPU: no device sync needed) and each block's
-wall time between two barriers:
+Every rank times each part of its loop with ``time.perf_counter`` (CPU: no device sync needed) and with its main
+thread's CPU time (``time.thread_time``: a part's own work, without the waits for a peer that a synchronised loop
+moves from one part to another), and each block's wall time between two barriers:
 
 - plain DDP: ``fetch`` (the next batch of a ``DataLoader`` over a ``DistributedSampler``), ``fwd+bwd`` (forward,
   loss, backward: DDP's all-reduce inside), ``opt`` (``step`` and ``zero_grad``);
 - OmniLearn: the same, with ``ol.data_loader`` and ``ol.wrap_model``, plus ``ol.step`` (the step clock, the
   ledger, and at window ends the meetings, the decision and the totals).
 
-It prints the parts in microseconds per step (mean over ranks, median over blocks), each pair's ratio of wall
-times (OmniLearn / plain), their median, and the median extra microseconds per step. ``--profile N``: rank 0
+It prints the parts in microseconds per step (mean over ranks, median over blocks; ``cpu``: the main thread's CPU
+time), each pair's ratio of wall times (OmniLearn / plain), their median, and the median extra microseconds per step. ``--profile N``: rank 0
 runs N more OmniLearn steps under cProfile and prints the N functions with the most own time (the profile of
 the hot path). With ``--device cuda`` (NCCL, one GPU per rank) each block ends with a device synchronisation
 and the parts are host times.
@@ -46,16 +47,18 @@ from omnilearn.experiments.train import workload
 
 
 class Parts:
-    """Seconds per named part, summed over a block's steps."""
+    """Seconds per named part, summed over a block's steps: wall time, and the main thread's CPU time (what this
+    rank itself spent there: waiting for a peer in a collective costs wall time, not CPU)."""
 
     def __init__(self) -> None:
         self.s: dict[str, float] = defaultdict(float)
-        self.t = time.perf_counter()
+        self.t, self.cpu = time.perf_counter(), time.thread_time()
 
     def lap(self, name: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.s[name] += now - self.t
-        self.t = now
+        self.s[f"{name} cpu"] += cpu - self.cpu
+        self.t, self.cpu = now, cpu
 
 
 def forever(loader, set_epoch):
@@ -153,6 +156,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="steps per block")
     ap.add_argument("--model", default="cnn1d", help="cnn1d (the default job's) or mlp (tiny: mostly host time)")
     ap.add_argument("--global-batch", type=int, default=256)
+    ap.add_argument("--control-interval", type=int, default=TrainConfig.control_interval,
+                    help="OmniLearn's steps per control interval (meetings: its end and a check at each third)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="then N OmniLearn steps under cProfile on rank 0: the N functions with the most own time")
@@ -162,7 +167,7 @@ def main() -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     torch.set_num_threads(1)
     cfg = TrainConfig(workers=dist.get_world_size(), global_batch=args.global_batch, device=args.device,
-                      model=args.model)
+                      model=args.model, control_interval=args.control_interval)
     device = rank_device(cfg)
     if args.device == "cuda":
         torch.cuda.set_device(device)
@@ -184,12 +189,15 @@ def main() -> None:
     table = profile(omni, args.profile, args.profile) if args.profile else ""
     ol.release()
     if dist.get_rank() == 0:
-        print(f"{dist.get_world_size()} ranks on {args.device}, model {args.model}, global batch {args.global_batch}: "
+        print(f"{dist.get_world_size()} ranks on {args.device}, model {args.model}, global batch {args.global_batch}, "
+              f"control interval {args.control_interval}: "
               f"{args.blocks} x {args.steps} steps per loop, interleaved; us per step (parts: mean over ranks, "
               "median over blocks)")
         for name, wall in walls.items():
-            print(f"{name:10s} wall {statistics.median(wall) * 1e6:7.0f} | "
-                  + " | ".join(f"{p} {statistics.median(v) * 1e6:6.0f}" for p, v in parts[name].items()))
+            for kind in ("wall", "cpu"):
+                shown = {p: v for p, v in parts[name].items() if p.endswith(" cpu") == (kind == "cpu")}
+                print(f"{name:10s} {kind:4s} {statistics.median(wall) * 1e6 if kind == 'wall' else sum(statistics.median(v) for v in shown.values()) * 1e6:7.0f} | "
+                      + " | ".join(f"{p.removesuffix(' cpu')} {statistics.median(v) * 1e6:6.0f}" for p, v in shown.items()))
         ratios = [o / p for p, o in zip(walls["plain DDP"], walls["OmniLearn"])]
         extra = [(o - p) * 1e6 for p, o in zip(walls["plain DDP"], walls["OmniLearn"])]
         print("OmniLearn / plain DDP per pair: " + ", ".join(f"{r:.3f}" for r in ratios))

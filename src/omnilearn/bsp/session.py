@@ -346,7 +346,7 @@ class Session(MemorySteps, IntervalEnds):
                               "OmniLearn cannot weight loss.backward() through it: call ol.backward(loss) instead")
         if logged is None and loss is not None:
             logged = loss.detach() if torch.is_tensor(loss) else float(loss)
-        batch = self.schedule.at(self.ledger.open)[self.rank]
+        batch = self.micro.batch  # the open step's share, set when it started
         step = self.ledger.report(batch, float("nan") if logged is None else logged, float("nan") if lr is None else lr)
         self.sampler.complete(step)
         self.steps_done, self.next_step = self.steps_done + 1, step + 1

@@ -121,7 +121,7 @@ class StepTimer(HostClock):
                 step_s = time.perf_counter() - self.start_s
                 wait_s = max(0.0, self.reduced_s - self.ready_s) if self.ready_s else 0.0
                 wait_s = min(step_s, wait_s + self.blocked_s)
-                self.pending.append(("cpu", StepTimes(step_s - wait_s, wait_s, step_s, self.delay_s)))
+                self.pending.append(("cpu", (step_s - wait_s, wait_s, step_s, self.delay_s)))  # StepTimes at collect
 
     def collect(self) -> list[StepTimes]:
         """Every finished step's times since the last call, oldest first (one device wait on CUDA).
@@ -133,7 +133,7 @@ class StepTimer(HostClock):
             pending, self.pending = self.pending, []
         if pending and pending[-1][0] == "cuda":
             pending[-1][1]["end"].synchronize()
-        times = [p[1] if p[0] == "cpu" else _cuda_times(p[1], p[2]) for p in pending]
+        times = [StepTimes(*p[1]) if p[0] == "cpu" else _cuda_times(p[1], p[2]) for p in pending]
         done = [e for p in pending if p[0] == "cuda" for k, e in p[1].items() if k != "stalls"]
         with self._lock:  # resolved: each can be recorded again
             self._free.extend(done)

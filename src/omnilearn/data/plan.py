@@ -114,6 +114,9 @@ class VariableBatchSampler(Sampler[list[int]]):
     def _indices(self, plan: GlobalPlan, steps: range, perm: np.ndarray) -> Iterator[list[int]]:
         for step in steps:
             indices = plan.worker_indices(step, self.schedule.at(step), self.rank, perm)
+            if self.micro_steps == 1:  # the list itself: no copy per step
+                yield indices
+                continue
             start = 0
             for size in micro_sizes(len(indices), self.micro_steps):
                 yield indices[start : start + size]
