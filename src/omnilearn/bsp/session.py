@@ -74,52 +74,49 @@ are agreed on at the next interval end: ``should_stop`` turns true on every
 rank at the same step (the step after it: meetings are read a step later,
 :mod:`omnilearn.bsp.steppers`). ``omnilearn train`` uses this class.
 
-Why one file over 300 lines: ``Session`` is the runtime's public surface (every method a user calls, with its
-docstring); the mechanics live in interval, steppers, micro, memory, wrap, sharded and checkpointing.
+The class is split by concern: the data sources (:mod:`omnilearn.bsp.sources`), the state and checkpoints
+(:mod:`omnilearn.bsp.persist`), the end of a run and teardown (:mod:`omnilearn.bsp.ending`), steps within a memory
+cap and the window ends (:mod:`omnilearn.bsp.steppers`) are mixins; the mechanics live in backward, interval, micro, memory, wrap, sharded and checkpointing.
 
 Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.py tests/dist/test_rank_errors.py``
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, IterableDataset
 
-from omnilearn.bsp import checkpointing
-from omnilearn.bsp.interval import SYNC_BUFFERS, agree_on_data, check_same_settings, meet
-from omnilearn.bsp.steppers import IntervalEnds, MemorySteps
+from omnilearn.bsp.backward import HookState
 from omnilearn.bsp.emulate import Emulation
+from omnilearn.bsp.ending import Ending
+from omnilearn.bsp.interval import check_same_settings
 from omnilearn.bsp import memory, sharded
 from omnilearn.bsp.micro import MicroSteps
-from omnilearn.bsp.rng import rank_seed, seed_rank
+from omnilearn.bsp.persist import Persistence
+from omnilearn.bsp.rng import seed_rank
+from omnilearn.bsp.sources import DataSources
+from omnilearn.bsp.steppers import IntervalEnds, MemorySteps
 from omnilearn.bsp.steps import StepLedger
 from omnilearn.bsp.wrap import wrap
-from omnilearn.checkpoint import CheckpointError
-from omnilearn.config import AUTO, BalanceConfig, ConfigError, api_wording
-from omnilearn.data.loader import BalancedLoader, keep_batch
-from omnilearn.data.plan import BatchSchedule, GlobalPlan, VariableBatchSampler
-from omnilearn.data.stream import StreamBatches, StreamPlan
-from omnilearn.decisions import check_every, make_loop
-from omnilearn.data.windows import IndexStream, WindowPlan
-from omnilearn.distributed import failures, group
-from omnilearn.distributed.collect import average_buffers, gather_to_main, share_path, sum_tensor
-from omnilearn.bsp.backward import HookState
-from omnilearn.observe.modelfile import saver
-from omnilearn.observe.rankrows import RankRows
-from omnilearn.observe.recorder import Telemetry
-from omnilearn.runplan import RunPlan, plan_run
 from omnilearn.clocks.step import StepTimer
 from omnilearn.clocks.train import TrainClock
+from omnilearn.config import AUTO, BalanceConfig, ConfigError
+from omnilearn.data.loader import BalancedLoader
+from omnilearn.data.plan import BatchSchedule, VariableBatchSampler
+from omnilearn.data.windows import IndexStream
+from omnilearn.decisions import check_every, make_loop
+from omnilearn.distributed import failures, group
+from omnilearn.distributed.collect import sum_tensor
+from omnilearn.observe.rankrows import RankRows
+from omnilearn.observe.recorder import Telemetry
+from omnilearn.runplan import RunPlan
 
 
-
-class Session(MemorySteps, IntervalEnds):
+class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
     """One rank's view of a balanced run: wraps the model, serves the batches, runs the control loop."""
 
     def __init__(self, cfg: BalanceConfig, ctx: group.DistContext, run_dir: Path | None = None,
@@ -226,84 +223,6 @@ class Session(MemorySteps, IntervalEnds):
                                blocked=self.timer.add_blocked, stall=self.timer.add_stall, device=self.device,
                                cpu_time=lambda: self.emulator.slowdown > 1.0)
 
-    def data_loader(self, dataset, *, num_workers: int = 0, collate_fn=None, pin_memory: bool | None = None,
-                    prefetch_factor: int | None = None) -> BalancedLoader:
-        """A loader over a map-style ``dataset`` or an ``IterableDataset``: each step, this rank's share.
-
-        A stream (:mod:`omnilearn.data.stream`) gives each step its next ``b_i`` items; it needs ``total_steps``.
-        """
-        if isinstance(dataset, IterableDataset):
-            return self._stream_loader(dataset, collate_fn, num_workers)
-        prefetch = (prefetch_factor or 2) if num_workers > 0 else 0
-        self._start_data(GlobalPlan, len(dataset), num_workers * prefetch)
-        if collate_fn is None and getattr(dataset, "returns_batches", False):
-            collate_fn = keep_batch
-        # Its own generator: making an iterator (each epoch, and after a resume mid-epoch) then draws no number
-        # from the global stream that dropout and augmentation use, so a resumed run draws what an unstopped one does.
-        generator = torch.Generator().manual_seed(rank_seed(self.cfg.seed, self.rank))
-        loader = DataLoader(
-            dataset, batch_sampler=self.sampler, collate_fn=collate_fn, num_workers=num_workers, generator=generator,
-            persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
-        )
-        self.loader = BalancedLoader(loader, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
-        return self.loader
-
-    def _stream_loader(self, dataset: IterableDataset, collate_fn, num_workers: int) -> BalancedLoader:
-        if self.total_steps is None:
-            raise ConfigError(f"data_loader({type(dataset).__name__}): a stream has no length; pass total_steps=N "
-                              "to omnilearn.setup()")
-        self._start_data(StreamPlan, self.total_steps * self.cfg.global_batch, 0, "stream")
-        items = StreamBatches(dataset, self.sampler, collate_fn, num_workers)
-        self.loader = BalancedLoader(items, self.sampler, self.ledger.handed_out, self.cfg.accumulation_steps)
-        return self.loader
-
-    def random_indices(self, high: int) -> torch.Tensor:
-        """This rank's next micro-batch of random window starts in ``[0, high)`` (int64): nanoGPT's ``torch.randint``.
-
-        Step ``s`` draws ``B`` starts seeded by ``(seed, s)``; this rank takes its slice
-        (:mod:`omnilearn.data.windows`). Call it once per micro-batch (``accumulation_steps`` per step);
-        the first call of a step starts its clock; fetching the next batch ahead is fine.
-        """
-        if self.windows is None:
-            if type(high) is not int or high < 1:
-                raise ConfigError(f"random_indices({high!r}): high must be a positive int (e.g. len(data) - block)")
-            self._start_data(WindowPlan, high, 0, "random_indices() range")
-            self.loader = BalancedLoader(self.sampler, self.sampler, self.ledger.handed_out,
-                                         self.cfg.accumulation_steps)
-            self.windows = IndexStream(self.loader, high)
-        elif high != self.windows.high:
-            raise ConfigError(f"random_indices({high}) after random_indices({self.windows.high}): the range is fixed "
-                              "for a run; draw from one array")
-        return self.windows.next()
-
-    @property
-    def local_batch(self) -> int:
-        """This rank's batch in the next step handed out (what a loop that draws its own samples takes)."""
-        return self.batches[self.rank]
-
-    def _start_data(self, plan_type: type[GlobalPlan], size: int, prefetch_batches: int, what: str = "dataset") -> None:
-        """Plan the run over ``size`` samples (one training data source per session); rank 0 starts the record.
-
-        Every rank must read a source of the same size, and plans with the deepest prefetch of any rank (the
-        same lag everywhere, so the same decisions): :func:`~omnilearn.bsp.interval.agree_on_data`.
-        """
-        if self.loader is not None:
-            raise RuntimeError("data_loader() or random_indices() was already used: one training data source "
-                               "per session")
-        prefetch_batches = agree_on_data(self.ctx, size, prefetch_batches, what)
-        try:
-            self.run = plan_run(self.cfg, size if plan_type is GlobalPlan else max(size, self.cfg.global_batch),
-                                self.total_steps, prefetch_batches, what, warn=self.is_main)
-        except ConfigError as e:  # the API's user typed keywords, not flags
-            raise ConfigError(api_wording(str(e))) from None
-        self.loop.lag = self.run.lag
-        self.sampler.use_plan(plan_type(size, self.cfg.global_batch, self.cfg.seed))
-        self.rank_rows = RankRows(self.rank, self.run.steps_per_epoch, share_path(self.ctx, self.run_dir))
-        if self.is_main:
-            self.telemetry = Telemetry(self.cfg, self.run, self.run_dir, own_rows=True)
-        self.restore_telemetry()
-
     def _start_step(self, step: int) -> None:
         """``step``'s clock is about to start: its speed emulation, weight and micro-batches."""
         self.clock.start()
@@ -363,27 +282,6 @@ class Session(MemorySteps, IntervalEnds):
         self.clock.step_ended()
         self.ledger.start_next()
 
-    def sync_buffers(self) -> None:
-        """Make buffers (BatchNorm statistics) equal everywhere: their batch-share-weighted average.
-
-        A collective: call it on every rank at the same point. Met by another
-        rank's interval end or ``finish()``, every rank raises at once; a rank
-        that never comes (waiting in a training step) leaves this one waiting
-        until the process group's timeout, then it raises saying so.
-        """
-        self._read_meeting()
-        if self.model is None or not self.ctx.grouped:
-            return
-        meet(self.ctx, SYNC_BUFFERS, self.steps_done, slots=self.cfg.control_interval)
-        self._average_buffers()
-
-    def _average_buffers(self) -> None:
-        if self.model is None or not self.ctx.grouped:
-            return
-        # the shares of the last step begun (the first before any): they sum to 1 over the ranks
-        weight = self.schedule.peek(max(self.ledger.last_started, 0))[self.rank] / self.cfg.global_batch
-        average_buffers(self.ctx, list(self.model.buffers()), weight)
-
     def paused(self) -> ContextManager[None]:
         """``with ol.paused():`` time inside (evaluation, checkpoints) is left out of the training time."""
         return self.clock.paused()
@@ -395,146 +293,3 @@ class Session(MemorySteps, IntervalEnds):
         """Record a test evaluation (rank 0 writes it; call on every rank with the same numbers)."""
         if self.telemetry is not None:
             self.telemetry.evaluation(epoch, self.next_step, self.train_time_s(), loss, accuracy)
-
-    def finish(self) -> dict | None:
-        """Flush the last interval, equalise buffers, write the summary (rank 0's dict; None elsewhere).
-
-        After this rank failed (:meth:`_fail`; e.g. ``finish()`` in a ``finally:``) only :meth:`release`: the
-        peers are gone, and a collective would wait for them. Called while an out-of-memory error propagates
-        (a ``finally:`` after one in the user's own code), that error is this rank's failure too."""
-        if self.failed is None and isinstance(sys.exc_info()[1], torch.OutOfMemoryError):
-            self._fail(sys.exc_info()[1])
-        if self.failed is not None:
-            self.release()
-            return None
-        try:
-            self._read_meeting()
-            if self.ledger.window_size():
-                self._end_interval(self.ledger.last_reported)
-            self.sync_buffers()  # reads the last interval's meeting first
-            # a sharded model's model.pt holds its full tensors: gathered by every rank, kept by rank 0
-            full = sharded.full_state(self.model) if sharded.is_sharded(self.model) and self.cfg.out else None
-            if self.rank_rows is not None:  # every rank's sums for the summary's per-worker means
-                own, self.rank_rows = self.rank_rows, None
-                sums = gather_to_main(self.ctx, [own.summary_row(self.cfg.control_interval)], 6)
-                own.close()
-                if self.telemetry is not None:
-                    self.telemetry.worker_sums([rows[0] for rows in sums], own.add_s)
-            if self.telemetry is None or not self.telemetry.steps_recorded:
-                return None
-            return self.telemetry.finish(self.clock.wall_s(), self.clock.train_s(), saver(self.module, full))
-        finally:
-            self.release()
-
-    def state_dict(self) -> dict:
-        """Everything but the user's model and optimizer, as plain values and tensors (a ``Stateful``).
-
-        Rank-specific parts (random streams, this interval's rows; on rank 0
-        the record's counters) sit under ``rank<r>``.
-        """
-        self._read_meeting()  # every rank calls it at the same point
-        return checkpointing.session_state(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (same global batch; call before training on).
-
-        From another worker count (elastic) the data position, step count and
-        training time carry on and the split is re-planned for the new workers
-        (:func:`omnilearn.bsp.checkpointing.load_session_state`).
-        """
-        self._read_meeting()
-        checkpointing.load_session_state(self, state)
-        caps = getattr(self.loop, "caps", None)
-        if caps is not None and self.resumed_from is not None and self.resumed_from[1] == self.world_size:
-            cap = int(caps.reported[self.rank])  # this rank's learned cap, as the planner held it
-            if cap < 2**62:
-                self.memory.restore(cap)
-
-    def restore_telemetry(self) -> None:
-        """Once the record exists after a resume: this rank's rows of redone steps are void, and rank 0's Telemetry
-        gets the loaded checkpoint's record counters."""
-        if self.resumed_from is not None and self.rank_rows is not None and not self.rows_resumed:
-            self.rank_rows.resume(self.resumed_from[0])
-            self.rows_resumed = True
-        if self.telemetry is not None and self.resumed_from is not None and self.pending_telemetry is not None:
-            self.telemetry.resume(self.pending_telemetry, *self.resumed_from)
-            self.pending_telemetry = None
-
-    def save_checkpoint(self, directory: str | Path, *, model: nn.Module | None = None, optimizer=None,
-                        scheduler=None, extra: dict | None = None, keep: int = 3) -> Path | None:
-        """Checkpoint the session and the given objects into ``directory`` (every rank calls it after ``step()``).
-
-        Rank 0 writes ``step-<next step>.pt`` atomically with a checksum and
-        keeps the newest ``keep``; it returns the path (None elsewhere).
-        ``extra``: plain values or tensors of your own (epoch counters, best
-        accuracy...); a value ``torch.load(weights_only=True)`` would not read
-        back (a numpy scalar, a ``Path``) raises
-        :class:`~omnilearn.checkpoint.CheckpointError` naming the field, before
-        anything is written.
-        """
-        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
-        self._read_meeting()  # the checkpoint holds its outcome, whenever a run without it would read it
-        try:
-            with self.paused():
-                if sharded.is_sharded(model):  # FSDP2: shards through DCP first, then the commit mark
-                    return checkpointing.save_with_shards(self, directory, objects, keep=keep, extra=extra)
-                return checkpointing.save(self, directory, objects, keep=keep, extra=extra)
-        except CheckpointError:  # told to every rank alike: each raises it, and may go on
-            raise
-        except Exception as e:  # one rank's (a state_dict() that raises): the others wait in the save's collectives
-            self._fail(e)
-            raise
-
-    def load_checkpoint(self, directory: str | Path, *, model: nn.Module | None = None, optimizer=None,
-                        scheduler=None) -> bool:
-        """Resume from the newest intact checkpoint in ``directory``; False (nothing changed) when it holds none.
-
-        Call it on every rank after ``wrap_model()`` and ``data_loader()`` and
-        before training. A damaged newest checkpoint (checksum, cut short,
-        missing) is set aside for the one before (a warning). When the
-        directory holds checkpoints and none is usable (all damaged, or the
-        newest passed its checksum and does not load) every rank raises
-        :class:`~omnilearn.checkpoint.CheckpointError` naming the file: a resume
-        never quietly becomes a fresh start. What was saved as ``extra`` is in
-        :attr:`checkpoint_extra`.
-        """
-        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
-        extra = checkpointing.load(self, directory, objects)  # FSDP2: from the shards (DCP reshards)
-        self.checkpoint_extra = extra or {}
-        return extra is not None
-
-    def release(self) -> None:
-        """Give back OS throttles and end the loader's worker processes (idempotent); never hides the run's own
-        outcome. ``finish()`` and ``close()`` call it; a loop left early calls it to let go at once."""
-        self.meeting = None  # a meeting in flight is not read: the peers may be gone
-        if self.failures is not None:
-            self.failures.stop()
-        self.schedule.hold(None)
-        self.emulation.release()
-        if self.loader is not None:
-            self.loader.shutdown()
-
-    def close(self) -> None:
-        """Leave the process group (whoever created it), after every rank got here.
-
-        The barrier keeps a fast rank from closing its connections while a
-        peer still syncs through them. :func:`~omnilearn.distributed.group.destroy`
-        (the launcher's teardown too) first makes the model let go of the group
-        (:func:`~omnilearn.bsp.wrap.release`: after it the model computes as its
-        module and syncs nothing), so the group's gloo threads end here, not
-        during interpreter finalisation, where one aborts the process.
-        """
-        self.release()
-        if self.failed is not None:  # this rank failed: no peer comes to a barrier
-            group.destroy()
-            return
-        if self.ctx.grouped:
-            group.barrier()
-        group.destroy(wait_s=3.0)  # every rank passed the barrier: wait until every rank has torn down
-
-    def _fail(self, error: BaseException) -> None:
-        """This rank alone failed with ``error`` (its peers wait for it in a collective): announce it, so every
-        peer ends within a second or so naming this rank (:mod:`omnilearn.distributed.failures`); then re-raise.
-        ``finish()`` and ``close()`` skip their collectives after it. Nothing to tell without peers."""
-        if self.failures is not None:
-            self.failed = self.failures.announce(error)
