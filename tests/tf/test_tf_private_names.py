@@ -7,8 +7,11 @@ tested: tensorflow-cpu 2.21.0, keras 3.15.1). What the door uses, and where:
 - ``tf.data``: ``dataset._input_dataset`` and the class names ``_BatchDataset``, ``_PaddedBatchDataset``,
   ``_UnbatchDataset`` (``omnilearn.tf.data.batched_by`` refuses a batched dataset by them);
 - Keras ``Model``: ``model._compile_metrics`` (a ``CompileMetrics``: ``update_state(y_true, y_pred,
-  sample_weight=None)``, ``result``, ``reset_state``, ``variables``) and ``model._loss_tracker``
-  (``omnilearn.tf.fit`` reduces them across workers);
+  sample_weight=None)``, ``build(y_true, y_pred)``, ``built``, ``result``, ``reset_state``, ``variables``) and
+  ``model._loss_tracker`` (``omnilearn.tf.reduced`` reduces them across workers);
+- Keras' TensorFlow optimizer: ``_all_reduce_sum_gradients(grads_and_vars)``, the one all-reduce of a step's
+  gradients, called by ``apply_gradients`` with every (gradient, variable) pair (``omnilearn.tf.steps.
+  apply_carrying`` lends it the metrics' table for one trace), and ``gradient_accumulation_steps``;
 - Keras, public but load-bearing: ``CallbackList(callbacks, add_history, add_progbar, model, **params)``;
   ``BackupAndRestore``'s ``backup_dir``, ``save_freq``, ``double_checkpoint``, ``delete_checkpoint``;
   ``Optimizer.scale_loss(loss)``; a ``LossScaleOptimizer`` that skips a step of non-finite gradients and
@@ -63,6 +66,7 @@ def test_a_compiled_model_keeps_its_metrics_and_loss_tracker(keras):
     compiled, tracker = model._compile_metrics, model._loss_tracker
     assert isinstance(tracker, keras.metrics.Mean)
     assert parameters(type(compiled).update_state) == ["self", "y_true", "y_pred", "sample_weight"]
+    assert parameters(type(compiled).build) == ["self", "y_true", "y_pred"] and compiled.built is False
     for name in ("result", "reset_state", "variables"):
         assert hasattr(compiled, name), f"Keras' CompileMetrics lost {name}"
     assert [m.name for m in model.metrics] == ["loss", "compile_metrics"]
@@ -75,6 +79,19 @@ def test_keras_callback_list_and_backup_and_restore_keep_what_fit_reads(keras, t
                                               delete_checkpoint=False)
     assert (backup.backup_dir, backup.save_freq, backup.double_checkpoint, backup.delete_checkpoint) == (
         str(tmp_path), 5, True, False)
+
+
+def test_the_optimizer_all_reduces_the_gradients_in_one_method(keras, tf):
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        optimizer, variable = keras.optimizers.SGD(0.5), keras.Variable([1.0])
+    assert parameters(type(optimizer)._all_reduce_sum_gradients) == ["self", "grads_and_vars"]
+    assert optimizer.gradient_accumulation_steps is None
+    seen = []
+    optimizer.__dict__["_all_reduce_sum_gradients"] = lambda pairs: seen.append(list(pairs)) or seen[-1]
+    strategy.run(tf.function(lambda: optimizer.apply_gradients([(tf.constant([2.0]), variable)])))
+    assert len(seen) == 1 and len(seen[0]) == 1, "Keras' apply_gradients no longer calls _all_reduce_sum_gradients"
+    assert float(variable.numpy()[0]) == 0.0
 
 
 def test_optimizers_scale_the_loss_and_a_loss_scale_optimizer_skips_non_finite_steps(keras, tf):

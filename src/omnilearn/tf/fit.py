@@ -13,24 +13,26 @@ changes every control interval) and, in Keras 3 under
 ``MultiWorkerMirroredStrategy`` on TF 2.21, fails with two workers (the
 ``PerReplica`` conversion error). So this module drives Keras' own
 ``CallbackList`` (with ``History`` and, on worker 0 only, the progress bar)
-around OmniLearn's weighted step (:class:`FitStep`: the session's
-:class:`~omnilearn.tf.steps.TrainStep` that also keeps the predictions and
-adds ``model.losses``), with the hooks, ``params`` and ``logs`` ``model.fit``
-gives: callbacks see what they see under ``model.fit``.
+around OmniLearn's weighted step (:class:`~omnilearn.tf.reduced.FitStep`:
+the session's :class:`~omnilearn.tf.steps.TrainStep` that also carries the
+metrics and adds ``model.losses``), with the hooks, ``params`` and ``logs``
+``model.fit`` gives: callbacks see what they see under ``model.fit``.
 
 Logs. Each worker updates the loss (a ``Mean`` weighted by its ``b_i``)
-and the compiled metrics on its own samples; after every step one SUM
-all-reduce of their state variables (totals and counts) gives every worker
-the global batch's values: the metrics are reduced with the weights
-``b_i`` and every worker gets the same logs. So every worker's callbacks
-take the same decisions (``EarlyStopping``, ``ReduceLROnPlateau``,
+and the compiled metrics on its own samples, inside the step's graph; the
+table of every worker's metric states (totals and counts, one row each)
+rides on the step's gradient all-reduce (:mod:`omnilearn.tf.reduced`), so
+a step launches no collective of its own for the metrics, and their float64
+sum gives every worker the global batch's values: the metrics are reduced
+with the weights ``b_i`` and every worker gets the same logs. So every
+worker's callbacks take the same decisions (``EarlyStopping``, ``ReduceLROnPlateau``,
 ``LearningRateScheduler``: run on every worker); the writers
 (``ModelCheckpoint``, ``CSVLogger``, ``TensorBoard``, ``ProgbarLogger``,
 ``RemoteMonitor``) run on worker 0 only. Metrics must keep additive states
 (sums and counts: Keras' means, accuracies, confusion-matrix metrics).
 Validation is sharded: worker ``i`` evaluates a contiguous share of the
-validation set in proportion to its batch, and the same reduction gives
-``val_*``.
+validation set in proportion to its batch, and the same reduction (one
+gather, once per validation) gives ``val_*``.
 
 Surviving failures: a ``keras.callbacks.BackupAndRestore(backup_dir,
 save_freq=)`` in ``callbacks`` is done by OmniLearn's checkpoints
@@ -49,15 +51,13 @@ Refused by name (one line): ``batch_size``
 ``validation_steps``, multi-output losses, ``steps_per_execution``, models
 with metrics other than the compiled ones, and ``fit`` inside ``ol.scope()``.
 
-Why one file over 300 lines: ``fit`` and what only it uses (the reduced metrics, the callback list, the sharded
-validation, BackupAndRestore); the docstring above is most of the length.
-
 Run: ``python -m pytest -q tests/tf/test_tf_fit.py``
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import shutil
 from typing import Any, Callable
@@ -68,7 +68,7 @@ import tensorflow as tf
 
 from omnilearn.config import ConfigError
 from omnilearn.tf.data import examples
-from omnilearn.tf.steps import Gather, TrainStep
+from omnilearn.tf.reduced import FitStep, Reduced
 
 WORKER_0_ONLY = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
                  keras.callbacks.ProgbarLogger, keras.callbacks.RemoteMonitor)
@@ -82,102 +82,6 @@ REFUSED_ARGS = {
     "validation_steps": "the whole validation set is evaluated, sharded across workers; leave it out",
     "shuffle": "the global permutation is seeded by setup(seed=...) and always on; leave it out",
 }
-
-
-class FitStep(TrainStep):
-    """The weighted step that also keeps this worker's predictions (:attr:`predictions`) and adds ``model.losses``."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.per_sample_loss, self.loss = self.loss, self._loss
-        self.predictions = None
-        self._traced_pred = None
-
-    def _loss(self, y, y_pred):
-        """Per-sample loss plus the model's regularisation losses (as Keras' ``compute_loss`` adds them)."""
-        self._traced_pred = y_pred
-        losses = self.per_sample_loss(y, y_pred)
-        extra = self.model.losses
-        return losses + tf.cast(tf.add_n(extra), losses.dtype) if extra else losses
-
-    def __call__(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
-        if self.function is None:
-            spec = [tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
-                    tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)), tf.TensorSpec((), tf.float64)]
-            self.function = tf.function(self._run, input_signature=spec)
-        loss, pred = self.function(x, y, tf.constant(scale, tf.float64))
-        local = self.strategy.experimental_local_results
-        self.predictions = local(pred)[0]
-        return float(local(loss)[0])
-
-    def _replica(self, x, y, scale):
-        loss = super()._replica(x, y, scale)
-        return loss, self._traced_pred
-
-
-class Reduced:
-    """The loss and the compiled metrics, each worker filling them with its own samples; :meth:`results` are the
-    global batch's (one SUM all-reduce of their states). Graph functions once the metrics are built (first update).
-    """
-
-    def __init__(self, session, compiled) -> None:
-        self.session, self.tracker = session, keras.metrics.Mean(name="loss")
-        self.metrics = [self.tracker, *([compiled] if compiled is not None else [])]
-        self.gather: Gather | None = None
-        self.graphs: tuple[Callable, Callable, Callable] | None = None
-
-    @property
-    def variables(self) -> list:
-        return [v for m in self.metrics for v in m.variables]
-
-    def reset(self) -> None:
-        for m in self.metrics:
-            m.reset_state()
-
-    def update(self, y, y_pred, losses, weight=None) -> None:
-        """This worker's samples: per-sample ``losses``, or a batch's mean loss with its ``weight`` (its size)."""
-        if self.graphs is None:
-            self._update(y, y_pred, losses, weight)  # eagerly first: the compiled metrics build their variables
-            self.graphs = (tf.function(self._update, reduce_retracing=True), tf.function(self._flat),
-                           tf.function(self._from_sums))
-        else:
-            self.graphs[0](y, y_pred, losses, weight)
-
-    def _update(self, y, y_pred, losses, weight) -> None:
-        dtype = self.tracker.dtype  # a Python float would enter Keras as float32
-        self.tracker.update_state(tf.cast(losses, dtype), None if weight is None else tf.cast(weight, dtype))
-        for m in self.metrics[1:]:
-            m.update_state(y, y_pred)
-
-    def results(self, prefix: str = "") -> dict[str, float]:
-        """Every worker's states summed; the results from the sums; this worker's own states kept."""
-        _, flat, from_sums = self.graphs
-        local = flat().numpy()
-        if self.gather is None:  # the same width on every worker: the same compiled metrics
-            s = self.session
-            self.gather = Gather(s.strategy, s.rank, s.world_size, local.size)
-        logs = from_sums(tf.constant(self.gather(local.tolist()).sum(axis=0)))
-        return {f"{prefix}{k}": float(v) for k, v in logs.items()}
-
-    def _flat(self):
-        return tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in self.variables], 0)
-
-    def _from_sums(self, total):
-        variables = self.variables
-        saved = [tf.identity(v.value) for v in variables]
-        at = 0
-        for v in variables:
-            size = int(np.prod(v.shape))
-            v.assign(tf.cast(tf.reshape(total[at : at + size], v.shape), v.dtype))
-            at += size
-        logs = {}
-        for m in self.metrics:
-            result = m.result()
-            logs.update(result if isinstance(result, dict) else {m.name: result})
-        with tf.control_dependencies(list(logs.values())):
-            for v, value in zip(variables, saved):
-                v.assign(value)
-        return logs
 
 
 def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str | int = "auto",
@@ -219,8 +123,8 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
         session.cfg = dataclasses.replace(session.cfg, quiet=True)
     session.set_total_steps(total)
     loader = session.data(x, y)
-    session.wrap(model, model.optimizer, loss, step=FitStep)
     metrics = Reduced(session, getattr(model, "_compile_metrics", None))
+    session.wrap(model, model.optimizer, loss, step=functools.partial(FitStep, metrics=metrics))
     history = next(c for c in hooks.callbacks if isinstance(c, keras.callbacks.History))
     batches = itertools.chain.from_iterable(loader for _ in itertools.count())  # each pass: the next data epoch
     model.stop_training = False
@@ -233,9 +137,8 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
         for batch in range(first % steps_per_epoch if epoch == first // steps_per_epoch else 0, steps_per_epoch):
             hooks.on_train_batch_begin(batch)
             xb, yb = next(batches)
-            step_loss = session.step(xb, yb)
-            metrics.update(yb, session.train_step.predictions, np.float64(step_loss), np.float64(len(xb)))
-            logs = metrics.results()
+            session.step(xb, yb)  # the metrics updated and reduced in the step (one collective)
+            logs = metrics.results_of(session.train_step.table)
             hooks.on_train_batch_end(batch, logs)
             if model.stop_training or session.should_stop:
                 break

@@ -176,7 +176,7 @@ class TFSession:
     def wrap(self, model, optimizer, loss, step: type[TrainStep] = TrainStep) -> None:
         """Compile the weighted step for ``model`` (built in :meth:`scope`) with ``optimizer`` and ``loss``.
 
-        ``step``: the step's class (:mod:`omnilearn.tf.fit` passes one that also keeps the predictions).
+        ``step``: the step's class (:mod:`omnilearn.tf.fit` passes one that also carries the metrics).
         """
         if self.train_step is not None:
             raise RuntimeError("wrap() was already called: one model per session")

@@ -22,6 +22,14 @@ steps. A variable the loss does not reach (gradient ``None``) is left out
 of the update as Keras leaves it out (its optimizer warns, naming it);
 every worker traces the same graph, so the same ones everywhere.
 
+A rider (:meth:`TrainStep.rider`; none here, ``ol.fit``'s metrics' states in
+:class:`omnilearn.tf.fit.FitStep`) is SUM all-reduced in a collective the
+step makes anyway: the gradients' own (:func:`apply_carrying`: one pack of
+one dtype, the gradients at their usual offsets) or, with a
+``LossScaleOptimizer``, the finiteness all-reduce. So a step of ``ol.fit``
+launches one collective (two with a ``LossScaleOptimizer``), its metrics
+included (``tests/tf/test_tf_fit_collectives.py`` counts them).
+
 Keras losses divide by the number of replicas under ``tf.distribute``
 (``scale_loss_for_distribution``); a Keras ``Loss`` object is therefore
 used per sample (its reduction set to none) and averaged here, so no
@@ -75,27 +83,39 @@ class TrainStep:
     def _run(self, x, y, scale):
         return self.strategy.run(self._replica, args=(x, y, scale))
 
+    def rider(self, y, pred, loss, dtype):
+        """A tensor to SUM all-reduce with the step's gradients (``dtype``: theirs), or None: nothing (here).
+
+        ``ol.fit``'s step (:class:`omnilearn.tf.fit.FitStep`) carries the metrics' states on it.
+        """
+        return None
+
     def _replica(self, x, y, scale):
         variables = self.model.trainable_variables
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(self.loss(y, self.model(x, training=True)))
+            pred = self.model(x, training=True)
+            loss = tf.reduce_mean(self.loss(y, pred))
             scaled = self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
         grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in tape.gradient(scaled, variables)]
         ready = tf.py_function(self._ready, [g for g in grads if g is not None], tf.float32)  # after every gradient
         with tf.control_dependencies([ready]):
             grads = [None if g is None else tf.identity(g) for g in grads]  # the all-reduce starts after the delay
+            rider = self.rider(y, pred, loss, next((g.dtype for g in grads if g is not None), None))
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            grads = agree_finite(grads)
-        self.optimizer.apply_gradients(zip(grads, variables))  # SUM all-reduce across workers, then the update
-        return loss
+            grads, carried = agree_finite(grads, rider)
+            self.optimizer.apply_gradients(zip(grads, variables))
+        else:
+            carried = apply_carrying(self.optimizer, grads, variables, rider)
+        return loss if rider is None else (loss, carried)
 
     def _ready(self, *_grads) -> float:
         self.before_sync()
         return 0.0
 
 
-def agree_finite(grads: list) -> list:
-    """Every worker's gradients non-finite if any worker's are (one scalar SUM all-reduce), None kept as None.
+def agree_finite(grads: list, rider=None) -> tuple[list, object]:
+    """Every worker's gradients non-finite if any worker's are (one SUM all-reduce), None kept as None; ``rider``
+    (None: nothing) SUM all-reduced in the same collective: ``(grads, reduced rider)``.
 
     ``LossScaleOptimizer`` checks its replica's own gradients before the all-reduce and skips the step (halving
     its scale) where one is not finite: without this, one worker would skip while the others wait in its
@@ -103,9 +123,50 @@ def agree_finite(grads: list) -> list:
     """
     present = [g for g in grads if g is not None]
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in present])
-    bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(~finite, tf.float32))
+    context = tf.distribute.get_replica_context()
+    if rider is None:
+        bad, carried = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(~finite, tf.float32)), None
+    else:  # one dtype, one pack: one collective
+        bad, carried = context.all_reduce(tf.distribute.ReduceOp.SUM, [tf.cast(~finite, rider.dtype), rider])
     poison = bad > 0
-    return [None if g is None else tf.where(poison, tf.constant(float("nan"), g.dtype), g) for g in grads]
+    return [None if g is None else tf.where(poison, tf.constant(float("nan"), g.dtype), g) for g in grads], carried
+
+
+def apply_carrying(optimizer, grads: list, variables: list, rider):
+    """``optimizer.apply_gradients``, with ``rider`` (None: nothing) SUM all-reduced in the gradients' own
+    all-reduce (one collective): the reduced rider.
+
+    The Keras optimizer all-reduces the gradients in ``_all_reduce_sum_gradients`` (one pack of one dtype:
+    one collective); for this call only, the rider goes first in its list, so after TensorFlow's reversal the
+    packed buffer holds every gradient at its usual offset and the rider after them. Where that is not called
+    in this graph (another optimizer, gradient accumulation's ``cond``) or the dtypes differ, the rider gets an
+    all-reduce of its own.
+    """
+    if rider is None:
+        optimizer.apply_gradients(zip(grads, variables))
+        return None
+    carried = []
+    original = getattr(optimizer, "_all_reduce_sum_gradients", None)
+    same = {g.dtype for g in grads if g is not None} == {rider.dtype}
+
+    def carrying(grads_and_vars):
+        if carried:
+            return original(grads_and_vars)
+        (reduced, _), *pairs = original([(rider, None), *grads_and_vars])
+        carried.append(reduced)
+        return pairs
+
+    if original is not None and same and not getattr(optimizer, "gradient_accumulation_steps", None):
+        optimizer.__dict__["_all_reduce_sum_gradients"] = carrying  # this instance, this trace only; no tracking
+        try:
+            optimizer.apply_gradients(zip(grads, variables))
+        finally:
+            optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
+    else:
+        optimizer.apply_gradients(zip(grads, variables))
+    if carried and carried[0].graph is rider.graph:
+        return carried[0]
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, rider)
 
 
 class Gather:
