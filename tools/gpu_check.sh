@@ -16,11 +16,19 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 } 2>&1 | tee "$OUT/device.txt"
 echo "== tests/gpu"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
-echo "== HL1 breakdown, 1 GPU"
-timeout 120 torchrun --standalone --nproc-per-node 1 tools/hl1_breakdown.py --device cuda --blocks 6 --steps 200 2>&1 \
+echo "== HL1 breakdown, 1 GPU (the default job's model and batch; plain DDP and OmniLearn interleaved)"
+timeout 120 torchrun --standalone --nproc-per-node 1 tools/hl1_breakdown.py --device cuda --blocks 10 --steps 200 2>&1 \
     | grep -v '^step ' | tee "$OUT/hl1_cuda.log"
+if [ -d .gpu_before/src ]; then  # a baseline tree (git archive <commit> src | tar -x -C .gpu_before), same tool
+    echo "== HL1 breakdown, 1 GPU, the baseline tree's omnilearn"
+    PYTHONPATH=$PWD/.gpu_before/src${PYTHONPATH#$PWD/src} timeout 120 torchrun --standalone --nproc-per-node 1 \
+        tools/hl1_breakdown.py --device cuda --blocks 10 --steps 200 2>&1 | grep -v '^step ' | tee "$OUT/hl1_cuda_before.log"
+fi
+echo "== HL1 breakdown, 1 GPU, meetings 10x rarer (control interval 150)"
+timeout 120 torchrun --standalone --nproc-per-node 1 tools/hl1_breakdown.py --device cuda --blocks 10 --steps 200 \
+    --control-interval 150 2>&1 | grep -v '^step ' | tee "$OUT/hl1_cuda_ci150.log"
 echo "== bench HL1, 1 GPU"
-timeout 150 python3 -m omnilearn bench --device cuda --workers 1 --speeds HL1 --arms uniform,model --repeats 4 \
+[ -n "${SKIP_BENCH:-}" ] || timeout 150 python3 -m omnilearn bench --device cuda --workers 1 --speeds HL1 --arms uniform,model --repeats 4 \
     --steps 200 --no-plots --out /tmp/bench_cuda --overwrite 2>&1 | tail -8 | tee "$OUT/bench_cuda.log"
 echo "== the default job on the GPU"
 timeout 90 python3 -m omnilearn train --device cuda --workers 1 --out /tmp/train_cuda --overwrite 2>&1 \

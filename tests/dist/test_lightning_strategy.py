@@ -49,10 +49,10 @@ def run(loader: DataLoader, model: pl.LightningModule | None = None, ckpt: str |
 
 @pytest.mark.parametrize("keyword, route", [
     ("accumulation_steps", "Trainer\\(accumulate_grad_batches=K\\)"), ("total_steps", "Trainer\\(max_steps=N\\)"),
-    ("device", "Trainer\\(accelerator=..., devices=...\\)"), ("ddp_comm_hook", "weighted all-reduce is the model's"),
+    ("device", "Trainer\\(accelerator=..., devices=...\\)"), ("ddp_comm_hook", "which a comm hook would replace"),
     ("broadcast_buffers", "averages buffers"), ("bogus", "unknown keyword bogus"),
-    ("mixed_precision", "registers its own comm hook"), ("delay_all_reduce_named_params", "outside the comm hook"),
-    ("param_to_hook_all_reduce", "outside the comm hook"),
+    ("mixed_precision", "casts the gradients in a comm hook of its own"), ("delay_all_reduce_named_params", "outside the step's timing"),
+    ("param_to_hook_all_reduce", "outside the step's timing"),
 ])
 def test_keywords_omnilearn_cannot_honour_are_refused_naming_the_route(keyword, route):
     with pytest.raises(ConfigError, match=route):

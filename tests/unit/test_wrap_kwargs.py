@@ -1,4 +1,4 @@
-"""DDP keywords that would bypass OmniLearn's weighted comm hook are refused by ol.wrap_model in one line.
+"""DDP keywords that would change how DDP reduces (outside the weighting and the step's marks) are refused by ol.wrap_model in one line.
 
 Run: python -m pytest -q tests/unit/test_wrap_kwargs.py
 """

@@ -17,8 +17,8 @@ cannot honour: a ``GradScaler`` precision (``16-mixed``),
 shortens a run).
 
 Refused by name, each in one line with the supported route: a DDP comm hook
-or model averaging (OmniLearn's weighted all-reduce is the comm hook), DDP's
-``mixed_precision`` (its own comm hook) and ``delay_all_reduce_named_params`` /
+or model averaging (OmniLearn weights and times DDP's own C++ reduction, which
+a hook would replace), DDP's ``mixed_precision`` (its own comm hook) and ``delay_all_reduce_named_params`` /
 ``param_to_hook_all_reduce`` (an unweighted all-reduce outside the hook), buffer
 broadcasting (OmniLearn averages buffers by batch share), ``total_steps``
 (the Trainer's ``max_steps``), ``accumulation_steps`` (the Trainer's
@@ -48,14 +48,14 @@ DDP_ARGS = frozenset(inspect.signature(DistributedDataParallel).parameters) - {
 BUFFER_BROADCAST = ("broadcast_buffers", "forward_sync_buffers")  # the flag's name changed in torch 2.13
 
 REFUSED = {
-    "ddp_comm_hook": "OmniLearn's weighted all-reduce is the model's comm hook (it weights each worker by b_i/B)",
-    "ddp_comm_state": "OmniLearn's weighted all-reduce is the model's comm hook (it weights each worker by b_i/B)",
-    "ddp_comm_wrapper": "OmniLearn's weighted all-reduce is the model's comm hook (it weights each worker by b_i/B)",
+    "ddp_comm_hook": "OmniLearn weights each worker by b_i/B and times DDP's own C++ reduction, which a comm hook would replace",
+    "ddp_comm_state": "OmniLearn weights each worker by b_i/B and times DDP's own C++ reduction, which a comm hook would replace",
+    "ddp_comm_wrapper": "OmniLearn weights each worker by b_i/B and times DDP's own C++ reduction, which a comm hook would replace",
     "model_averaging_period": "post-local SGD averages models unweighted; OmniLearn's steps are synchronous",
-    "mixed_precision": "DDP's mixed_precision registers its own comm hook in place of OmniLearn's weighted all-reduce; "
+    "mixed_precision": "DDP's mixed_precision casts the gradients in a comm hook of its own, in place of DDP's reduction OmniLearn times; "
                        "use the Trainer's (Fabric's) precision= instead",
-    "delay_all_reduce_named_params": "DDP all-reduces those parameters outside the comm hook, unweighted; drop it",
-    "param_to_hook_all_reduce": "DDP all-reduces the delayed parameters outside the comm hook, unweighted; drop it",
+    "delay_all_reduce_named_params": "DDP all-reduces those parameters after the backward, outside the step's timing; drop it",
+    "param_to_hook_all_reduce": "DDP all-reduces the delayed parameters outside the step's timing; drop it",
     "total_steps": "the run's length is the Trainer's: pass Trainer(max_steps=N)",
     "accumulation_steps": "gradient accumulation is the Trainer's: pass Trainer(accumulate_grad_batches=K) (OmniLearn "
                           "then runs it exactly)",
