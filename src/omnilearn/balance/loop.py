@@ -275,6 +275,8 @@ class ControlLoop:
         """Decide on the kept windows."""
         count, times, stderr = self.estimates()
         old, times_s = self.batches, tuple(times.tolist())
+        if self.workers == 1:  # the whole batch is the one worker's: no proposal to make, no controller to ask
+            return Decision(step, old, old, times_s, False, "one worker: nothing to balance")
         short = np.flatnonzero(count < self.min_samples)
         if short.size:
             return Decision(step, old, old, times_s, False, f"{short.size} worker(s) (rank {short[0]} first) "
