@@ -40,11 +40,17 @@ Per step: one call per output tensor, one parameter hook, two engine
 callbacks, and one multiplication of the output's gradient (none after
 ``ol.backward``).
 
+Under ``torch.compile`` (docs/compile.md) the hooks are the same: the
+output hook goes on the compiled forward's output (registered by dynamo's
+replay of :meth:`BackwardMarks.on_output` when the wrapped model itself is
+compiled); the parameter hook and the engine callbacks run outside any
+graph (compiled autograd, which would trace them, is not supported).
+
 ``torch.autograd.Variable._execution_engine.queue_callback`` is private
 (DDP and FSDP use it themselves); tests/unit/test_torch_private_names.py
 holds it to that.
 
-Run: ``python -m pytest -q tests/dist/test_hooks.py tests/dist/test_api.py``
+Run: ``python -m pytest -q tests/dist/test_hooks.py tests/dist/test_api.py tests/dist/test_compile.py``
 """
 
 from __future__ import annotations

@@ -23,16 +23,27 @@ the batches change inside the window. The session's gradient accumulation
 (``accumulation_steps`` and ``ol.backward``) does it exactly; it sets DDP's
 ``require_backward_grad_sync`` itself, before each micro-batch's forward.
 
+``torch.compile`` works around it (``torch.compile(ol.wrap_model(model))``:
+dynamo traces :meth:`BalancedDDP.forward`, DDP's reducer calls break its
+graph, the marks run in frames that hold no graph, and the module's forward
+is compiled as a frame of its own, under DDP's marker for dynamo's DDP
+optimizer) and inside it (``ol.wrap_model(torch.compile(model))``); either
+way exact and compiled twice at most while the batches move (docs/compile.md).
+
 Every call order: a wrapped model wrapped again in another DDP (``model =
 accelerator.prepare(model)`` after ``ol.wrap_model``, in a process group) would
 have its weighted gradients averaged a second time by the outer DDP: its first
 forward raises :class:`~omnilearn.config.ConfigError` (:func:`outer_ddp`). So
 does one sharded after ``ol.wrap_model`` (``fully_shard(model)`` after it: FSDP
-would reduce by its own unweighted average, its waits unmeasured). The reverse
+would reduce by its own unweighted average, its waits unmeasured); every
+forward looks for an outer DDP and at the two types (``fully_shard`` changes a
+module's class in place), the first forward at every module (0.2 us a
+forward, 1.4 us when every forward asked FSDP2 twice). The reverse
 orders (a DDP model, or an FSDP2 one, given to ``ol.wrap_model``) are refused,
 or adopted, by :func:`omnilearn.bsp.sharded.refuse_unbalanced`.
 
-Run: ``python -m pytest -q tests/dist/test_accumulation.py tests/dist/test_teardown.py``
+Run: ``python -m pytest -q tests/dist/test_accumulation.py tests/dist/test_teardown.py tests/dist/test_call_orders.py
+tests/dist/test_compile.py``
 """
 
 from __future__ import annotations
@@ -74,22 +85,30 @@ class BalancedDDP(DDP):
         return out
 
     def _check_order(self) -> None:
-        """Refuse what was done to the model after ``ol.wrap_model`` (module docstring): every forward, the cheap
-        checks (an outer DDP, the root sharded); the first forward, every module and parameter."""
-        outer = outer_ddp(self)
-        if outer is not None:
+        """Refuse what was done to the model after ``ol.wrap_model`` (module docstring). Every forward: an outer
+        DDP, and whether this model's or its module's type changed since the last full look (``fully_shard``
+        changes a module's class in place); the first forward and after such a change, every module and parameter."""
+        outer = DDP._get_active_ddp_module()  # the DDP whose forward is running (see outer_ddp), inlined: per forward
+        if outer is not None and outer is not self:
             raise ConfigError(f"the model ol.wrap_model() returned was wrapped again in {type(outer).__name__} "
                               "(accelerator.prepare(model) after ol.wrap_model?), which would average its weighted "
                               "gradients a second time: keep ol.wrap_model's model and prepare only the optimizer "
                               "(optimizer = accelerator.prepare(optimizer))")
-        first = not self.__dict__.get("orders_checked", False)
-        root = is_sharded(self) or is_sharded(self.module)
-        sharded = "the root module was sharded" if root else sharded_inside(self.module) if first else None
+        seen = self.__dict__.get("types_checked")  # (this model's type, its module, the module's type)
+        if seen is None or type(self) is not seen[0] or type(seen[1]) is not seen[2]:
+            self._check_sharding(seen is None)
+
+    def _check_sharding(self, first: bool) -> None:
+        """Refuse a model sharded after ``ol.wrap_model``: the root (any forward), or any module or parameter inside
+        (the first forward); then remember the types looked at."""
+        module = self.module
+        root = is_sharded(self) or is_sharded(module)
+        sharded = "the root module was sharded" if root else sharded_inside(module) if first else None
         if sharded is not None:
             raise ConfigError(f"fully_shard after ol.wrap_model(): {sharded} inside OmniLearn's DDP, so FSDP would "
                               "average the gradients unweighted and its waits go unmeasured: call fully_shard first "
                               "(each block, then the root), then model = ol.wrap_model(model)")
-        self.__dict__["orders_checked"] = True
+        self.__dict__["types_checked"] = (type(self), module, type(module))
 
     def no_sync(self):
         raise RuntimeError(
