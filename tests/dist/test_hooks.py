@@ -91,3 +91,48 @@ def test_ddp_mean_of_scaled_gradients_is_the_weighted_sum_on_ddps_group(tmp_path
         assert got[r]["marks"] == ["ready", "reduced", "step"] * 3
     leaked = [g * 2 / 3 for g in pair]  # scaled by the world's size instead of the group's
     assert not torch.allclose(got[0]["grads"][0][0], leaked[0])
+
+
+class Box:
+    """A model output that is not a pytree: the hook on the outputs cannot see the tensor inside."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class Boxed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return Box(self.lin(x))
+
+
+def _unhooked_worker(rank: int, store: str, out: str) -> None:
+    import omnilearn
+    from omnilearn.config import ConfigError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    ol = omnilearn.setup(global_batch=8, device="cpu", handle_signals=False, speeds="1,1")
+    model = ol.wrap_model(Boxed())
+    said = ""
+    for x in ol.data_loader([torch.ones(4)] * 32):
+        model(x).t.sum().backward()
+        try:
+            ol.step()
+        except ConfigError as e:
+            said = str(e)
+        break
+    torch.save({"said": said}, f"{out}/rank{rank}.pt")
+    ol.release()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_an_output_the_hook_cannot_see_is_refused_naming_ol_backward(tmp_path):
+    start_ranks(_unhooked_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
+    for r in range(2):
+        said = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["said"]
+        assert "(Box)" in said and "call ol.backward(loss)" in said, said
