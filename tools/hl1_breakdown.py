@@ -114,7 +114,7 @@ def plain_loop(cfg: TrainConfig, splits, device: torch.device) -> Loop:
     opt = workload.make_optimizer(cfg, model.parameters())
     sampler = DistributedSampler(splits.train, world, rank, shuffle=True, seed=cfg.seed, drop_last=True)
     loader = DataLoader(splits.train, batch_size=cfg.global_batch // world, sampler=sampler, drop_last=True,
-                        collate_fn=data.keep_batch)
+                        collate_fn=data.keep_batch, pin_memory=device.type == "cuda")  # as ol.data_loader's default
     return Loop(model, opt, forever(loader, sampler.set_epoch), device)
 
 

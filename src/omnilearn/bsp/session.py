@@ -142,7 +142,8 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
         self.probe = memory.CudaProbe(ctx.device) if auto else None  # the first step measures the memory
         self.reducer_resets = memory.ReducerResets()  # DDP's reducer after out-of-memory redos
         self.caps_seen: list[int] | None = None  # rank 0: the caps the loop held at the last interval end
-        self.check_every = check_every(cfg.control_interval)  # steps between looks for a speed shift (0: none)
+        # steps between looks for a speed shift (0: none; one worker has nothing to shift against)
+        self.check_every = check_every(cfg.control_interval) if ctx.world_size > 1 else 0
         self.steps_done = self.next_step = 0
         self.model: nn.Module | None = None
         self.loader: BalancedLoader | None = None

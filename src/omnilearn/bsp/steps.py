@@ -85,8 +85,7 @@ class StepLedger:
         if len(times) != len(self.pending):
             raise RuntimeError(f"step ledger drift: {len(self.pending)} step(s) reported but {len(times)} timed; "
                                "only StepLedger.report may end a StepTimer step, and only rows() collect it")
-        for (step, batch, loss, lr), t in zip(self.pending, times):
-            loss = float(loss) if torch.is_tensor(loss) else loss
+        for (step, batch, _, lr), t, loss in zip(self.pending, times, _losses(self.pending)):
             row = [step, batch, t.compute_s, t.wait_s, t.step_s, loss, t.delay_s, lr]
             self.resolved.append([float(v) for v in row])
         self.pending.clear()
@@ -103,3 +102,13 @@ class StepLedger:
             raise RuntimeError(f"step ledger: {count} rows asked for, {len(self.resolved)} resolved")
         rows, self.resolved = self.resolved[:count], self.resolved[count:]
         return rows
+
+
+def _losses(pending: list[list]) -> list[float]:
+    """The pending rows' losses as floats: the tensors among them read in one go (one device copy, not one each)."""
+    losses = [row[2] for row in pending]
+    tensors = [i for i, v in enumerate(losses) if torch.is_tensor(v)]
+    if tensors:
+        for i, v in zip(tensors, torch.stack([losses[i].reshape(()).double() for i in tensors]).tolist()):
+            losses[i] = v
+    return [float(v) for v in losses]

@@ -39,10 +39,10 @@ class RowGathering:
     def __init__(self, ctx: DistContext, row: Sequence[float], group=None,
                  buffers: "GatherBuffers | None" = None) -> None:
         self.work = None
-        if not ctx.grouped:
-            self.rows = [[float(v) for v in row]]  # one process alone: its own row, at once
+        world = dist.get_world_size(group) if ctx.grouped else 1
+        if world == 1:
+            self.rows = [[float(v) for v in row]]  # one process alone (or a group of one): its own row, at once
             return
-        world = dist.get_world_size(group)
         if buffers is None or not buffers.free(ctx, world, len(row)):
             buffers = GatherBuffers(ctx, world, len(row))
         self.buffers = buffers
