@@ -10,7 +10,7 @@ torch versions these tests ran on are the ones ``omnilearn.setup`` accepts (``re
 name                                                      used by
 ========================================================  ==========================================
 ``DistributedDataParallel._get_active_ddp_module()``      bsp/wrap.py (a DDP wrapped in another)
-``DistributedDataParallel._comm_hooks``                   bsp/wrap.py (release: the hook's group)
+``Variable._execution_engine.queue_callback``             bsp/backward.py (the ready and reduced marks)
 ``DistributedDataParallel.reducer/logger/process_group``  bsp/wrap.py (release), bsp/memory.py
 ``DistributedDataParallel.reducer._reset_state()``        bsp/memory.py (out-of-memory redo)
 ``DistributedDataParallel._has_rebuilt_buckets``          bsp/memory.py
@@ -71,16 +71,26 @@ def test_ddp_get_active_ddp_module_is_the_ddp_whose_forward_runs(ddp):
     assert seen == [outer], "DDP._get_active_ddp_module() no longer names the DDP whose forward runs"
 
 
-def test_ddp_comm_hooks_list_holds_hook_and_state(ddp):
-    """bsp/wrap.py's release: ``model.__dict__["_comm_hooks"]`` is a list of (hook, state) pairs."""
-    state = object()
+def test_engine_queue_callback_runs_after_the_graph_in_order_and_chains(ddp):
+    """bsp/backward.py: a callback queued during the backward runs after the graph, in the order queued, and one
+    queued from a callback runs after the ones already queued (so the reduced mark, queued by the end-of-graph
+    callback, runs after DDP's finalize_backward, which DDP queues at its last bucket in between)."""
+    from torch.autograd import Variable
 
-    def hook(s, bucket):  # pragma: no cover - never run
-        raise AssertionError
+    order: list[str] = []
+    x = torch.ones(2, 3)
+    out = ddp(x)
 
-    ddp.register_comm_hook(state, hook)
-    assert isinstance(ddp.__dict__.get("_comm_hooks"), list), "DDP._comm_hooks is gone from the instance dict"
-    assert [(h, s) for h, s in ddp.__dict__["_comm_hooks"]] == [(hook, state)], "DDP._comm_hooks changed shape"
+    def first() -> None:
+        order.append("first")
+        Variable._execution_engine.queue_callback(lambda: order.append("chained"))
+
+    out.register_hook(lambda g: Variable._execution_engine.queue_callback(first) and None)
+    weight = ddp.module.weight
+    weight.register_post_accumulate_grad_hook(
+        lambda p: Variable._execution_engine.queue_callback(lambda: order.append("queued later")))
+    out.sum().backward()
+    assert order == ["first", "queued later", "chained"], f"the engine's final callbacks changed: {order}"
 
 
 def test_ddp_holds_its_group_by_reducer_logger_and_process_group(ddp):
