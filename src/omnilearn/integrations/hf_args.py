@@ -13,7 +13,10 @@ fix (docs/huggingface.md lists them all). Nothing is dropped:
   (``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb`` and Trainer's own
   default for unused parameters), for ``Session.wrap_model``.
 
-Run: ``python -m pytest -q tests/unit/test_hf_private_names.py tests/dist/test_hf_trust.py``
+``torch_compile=True`` is honoured: accelerate compiles the wrapped model
+(``torch.compile(ol.wrap_model(model))``, docs/compile.md).
+
+Run: ``python -m pytest -q tests/unit/test_hf_private_names.py tests/dist/test_hf_trust.py tests/dist/test_hf_compile.py``
 """
 
 from __future__ import annotations
@@ -44,9 +47,6 @@ def _parallel_refusals(args: Any) -> list[str]:
     if args.ddp_static_graph:
         bad.append("ddp_static_graph=True: DDP's static graph breaks on OmniLearn's per micro-batch sync (a reducer "
                    "assertion at the second step); drop ddp_static_graph")
-    if args.torch_compile:
-        bad.append("torch_compile=True: not tested over OmniLearn's DDP wrapper (weighted gradient hook, per "
-                   "micro-batch sync); drop torch_compile")
     return bad
 
 
