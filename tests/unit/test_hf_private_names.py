@@ -41,7 +41,7 @@ TRAINER_METHODS = {
 
 # TrainingArguments fields the door reads, honours or refuses (hf_args, docs/huggingface.md)
 ARGUMENT_FIELDS = [
-    "fp16", "bf16", "deepspeed", "fsdp", "parallelism_config", "torch_compile", "enable_jit_checkpoint",
+    "fp16", "bf16", "deepspeed", "fsdp", "parallelism_config", "enable_jit_checkpoint",
     "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_broadcast_buffers",
     "train_sampling_strategy", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor",
     "dataloader_persistent_workers", "dataloader_multiprocessing_context", "dataloader_in_order",

@@ -168,8 +168,10 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
 
     @property
     def module(self) -> nn.Module | None:
-        """The user's model without the DDP wrapper (for evaluation and saving)."""
-        return self.model.module if isinstance(self.model, DDP) else self.model
+        """The user's model without the DDP wrapper, nor ``torch.compile``'s (for evaluation and saving: its
+        ``state_dict`` keys are the model's own, whichever order it was compiled and wrapped in)."""
+        model = self.model.module if isinstance(self.model, DDP) else self.model
+        return getattr(model, "_orig_mod", model)  # OptimizedModule's (public attribute of torch.compile's wrapper)
 
     @property
     def epoch(self) -> int:

@@ -105,10 +105,10 @@ class StepLedger:
 
 
 def _losses(pending: list[list]) -> list[float]:
-    """The pending rows' losses as floats: the tensors among them read in one go (one device copy, not one each)."""
+    """The pending rows' losses as floats; those on a device read in one go (one copy and wait, not one each)."""
     losses = [row[2] for row in pending]
-    tensors = [i for i, v in enumerate(losses) if torch.is_tensor(v)]
-    if tensors:
-        for i, v in zip(tensors, torch.stack([losses[i].reshape(()).double() for i in tensors]).tolist()):
+    on_device = [i for i, v in enumerate(losses) if torch.is_tensor(v) and v.device.type != "cpu"]
+    if len(on_device) > 1:
+        for i, v in zip(on_device, torch.stack([losses[i].reshape(()).double() for i in on_device]).tolist()):
             losses[i] = v
     return [float(v) for v in losses]
