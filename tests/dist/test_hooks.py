@@ -63,17 +63,25 @@ def _worker(rank: int, store: str, out: str) -> None:
             y.sum().backward()
         grads.append([p.grad.clone() for p in ddp.module.parameters()])
         marks.append("step")
-    torch.save({"grads": grads, "marks": marks, "hooks": len(ddp._comm_hooks)}, f"{out}/rank{rank}.pt")
+    ddp.zero_grad()  # equal shares: no output hook, the learned parameter's hook marks the step
+    state.output_scale = 1.0
+    ddp(inputs(rank)).sum().backward()
+    equal = [p.grad.clone() for p in ddp.module.parameters()]
+    marks.append("equal")
+    torch.save({"grads": grads, "marks": marks, "hooks": len(ddp._comm_hooks), "equal": equal},
+               f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _expected(ranks: list[int]) -> list[torch.Tensor]:
+def _expected(ranks: list[int], plain_mean: bool = False) -> list[torch.Tensor]:
+    """The weighted sum of the ranks' gradients (``plain_mean``: DDP's unweighted mean, at the first step's
+    weights: the model is not stepped between the test's backwards)."""
     grads = []
     for r in ranks:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 3).double(), nn.Linear(3, 2, bias=False).double())
-        model(inputs(r)).sum().mul(WEIGHTS[r]).backward()
+        model(inputs(r)).sum().mul(1 / len(ranks) if plain_mean else WEIGHTS[r]).backward()
         grads.append([p.grad for p in model.parameters()])
     return [sum(g[i] for g in grads) for i in range(len(grads[0]))]
 
@@ -88,7 +96,10 @@ def test_ddp_mean_of_scaled_gradients_is_the_weighted_sum_on_ddps_group(tmp_path
             for g, w in zip(step, want):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
         assert got[r]["hooks"] == 0  # DDP's own C++ path: no Python comm hook
-        assert got[r]["marks"] == ["ready", "reduced", "step"] * 3
+        assert got[r]["marks"] == ["ready", "reduced", "step"] * 3 + ["ready", "reduced", "equal"]
+        mean = _expected([0, 1], plain_mean=True) if r < 2 else _expected([2], plain_mean=True)
+        for g, w in zip(got[r]["equal"], mean):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
     leaked = [g * 2 / 3 for g in pair]  # scaled by the world's size instead of the group's
     assert not torch.allclose(got[0]["grads"][0][0], leaked[0])
 

@@ -38,7 +38,10 @@ another, which the autograd engine runs after DDP's ``finalize_backward``
 done, or on CUDA the stream waits for them, and ``on_reduced`` marks it.
 Per step: one call per output tensor, one parameter hook, two engine
 callbacks, and one multiplication of the output's gradient (none after
-``ol.backward``).
+``ol.backward``). At equal shares (scale 1, nothing to balance) the outputs
+are not hooked at all once the last-ready parameter is learned: its hook
+queues the end-of-graph callback itself (and should it ever miss a step, a
+parameter the graph did not reach, the outputs are hooked from then on).
 
 Under ``torch.compile`` (docs/compile.md) the hooks are the same: the
 output hook goes on the compiled forward's output (registered by dynamo's
@@ -122,15 +125,22 @@ class BackwardMarks:
         self.last: torch.nn.Parameter | None = None  # the parameter whose gradient is ready last (learned)
         self.order: list[int] | None = None  # while learning: parameters in the order their gradients came
         self.armed = self.queued = False  # a syncing forward ran; its end-of-graph callback is queued
+        self.always = False  # hook the outputs even at scale 1 (the learned parameter once missed a step)
 
     def on_output(self, out) -> None:
-        """A syncing forward's output (grad enabled): hook the gradients flowing into it."""
+        """A syncing forward's output (grad enabled): hook the gradients flowing into it (not needed at equal
+        shares once the last-ready parameter is learned: its hook queues the end-of-graph callback then)."""
         leaves = _grad_leaves(out)
         state = self.state
         if not leaves:
             state.unhooked = type(out).__name__
             return
+        if self.armed:  # the last syncing backward marked nothing: the learned parameter can miss a step
+            self.always = True
         self.armed, self.queued = True, False
+        if state.output_scale == 1.0 and self.last is not None and not self.always:
+            state.weighted = True  # equal shares: DDP's mean is the weighted sum as it is
+            return
         for t in leaves:
             t.register_hook(self._output_grad)
         if self.last is None and self.order is None:
@@ -151,6 +161,9 @@ class BackwardMarks:
     def _last_grad(self, _param) -> None:
         if self.armed:
             self._ready()
+            if not self.queued:  # no output hook this step: the end-of-graph callback from here (before DDP's)
+                self.queued = True
+                Variable._execution_engine.queue_callback(self._end_of_graph)
 
     def _ready(self) -> None:
         self.armed = False
