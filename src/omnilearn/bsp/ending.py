@@ -82,7 +82,6 @@ class Ending:
         """Give back OS throttles and end the loader's worker processes (idempotent); never hides the run's own
         outcome. ``finish()`` and ``close()`` call it; a loop left early calls it to let go at once."""
         self.meeting = None  # a meeting in flight is not read: the peers may be gone
-        self.decider.stop()
         if self.failures is not None:
             self.failures.stop()
         self.schedule.hold(None)

@@ -91,7 +91,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from omnilearn.bsp.backward import HookState
-from omnilearn.bsp.decider import Decider
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp.ending import Ending
 from omnilearn.bsp.interval import check_same_settings
@@ -159,7 +158,6 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
         self.rank_rows: RankRows | None = None  # this rank's step rows and sums, once the data source is known
         self.rows_resumed = False
         self.failed: str | None = None  # this rank's error, announced to its peers (they end): see _fail
-        self.decider = Decider()  # decides window meetings beside the training (omnilearn.bsp.decider)
         self.failures = failures.listen(ctx)  # last: a peer's announced error ends this process
 
     device = property(lambda self: self.ctx.device)

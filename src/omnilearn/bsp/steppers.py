@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 from omnilearn.bsp import memory, sharded
 from omnilearn.balance.controllers import Decision
-from omnilearn.bsp.decider import Decider, Pending
 from omnilearn.bsp.interval import Meeting, window_meeting
 from omnilearn.decisions import CHECK, INTERVAL, check, feed, reset_asked, stop_asked
 from omnilearn.observe.rankrows import Totals
@@ -136,14 +135,12 @@ class WindowRead:
     step: int
     rows: list[list[float]]
     read: tuple[list[list[float]], Decision | None] | None = None
-    pending: Pending | None = None  # the decider thread's (table, decision), when it decides
 
 
 class IntervalEnds:
     """Window ends: at the interval's end, or at a check that sees a speed shift (see the module docstring)."""
 
     meeting: WindowRead | None = None
-    decider: Decider  # the session's (omnilearn.bsp.decider)
     gather_buffers = None  # a window meeting's all-gather tensors, for the next (omnilearn.distributed.collect)
 
     def _end_interval(self, step: int) -> None:
@@ -167,30 +164,23 @@ class IntervalEnds:
         # by the read, a rank has sampled at most one step more than its row says, unless its loop samples further
         # ahead meanwhile: then it decides first (the schedule's hold), so no change can land on a sampled step
         self.schedule.hold(self.schedule.last_read + 1, self._decide)
-        if self.ctx.world_size > 1:  # waited for and decided beside the next step (omnilearn.bsp.decider)
-            read.pending = self.decider.submit(lambda: self._decided(read))
-
-    def _decided(self, read: WindowRead) -> tuple[list[list[float]], Decision | None]:
-        """The meeting's table and the loop's decision on it, as at the step after the meeting's own: on every
-        rank the same decision whenever it runs (local: no collective)."""
-        table = read.meeting.table()
-        at = read.step + 1  # a change lands from at + 1 + lag on, after every step any rank can have sampled
-        decision = feed(self.loop, self.schedule, at, table, read_ahead=1) if read.kind == INTERVAL else \
-            check(self.loop, self.schedule, at, table, read_ahead=1)
-        return table, decision
 
     def _decide(self) -> None:
-        """The meeting in flight decided (joining the decider's thread, or inline). Its outcome applies at
-        :meth:`_read_meeting`."""
+        """Wait for the meeting in flight and decide, as at the step after its own: on every rank the same
+        decision whenever it runs (local: no collective). Its outcome applies at :meth:`_read_meeting`."""
         read = self.meeting
         if read is None or read.read is not None:
             return
         self.schedule.hold(None)
         try:
-            read.read = read.pending.result() if read.pending is not None else self._decided(read)
+            table = read.meeting.table()
         except RuntimeError:
             self.meeting = None
             raise
+        at = read.step + 1  # a change lands from at + 1 + lag on, after every step any rank can have sampled
+        decision = feed(self.loop, self.schedule, at, table, read_ahead=1) if read.kind == INTERVAL else \
+            check(self.loop, self.schedule, at, table, read_ahead=1)
+        read.read = (table, decision)
 
     def _read_meeting(self) -> None:
         """The meeting in flight, decided and applied: at the next ``step()``, or where every rank flushes it."""
