@@ -12,7 +12,7 @@ at most :data:`CHUNK_BYTES`, over a group that carries CPU tensors
 (:func:`~omnilearn.distributed.group.cpu_group`), received in place into one
 buffer: no device memory and no second copy on any rank.
 
-Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_hooks.py tests/dist/test_checkpoint_load.py``
+Run: ``python -m pytest -q tests/dist/test_api.py tests/dist/test_checkpoint_load.py``
 """
 
 from __future__ import annotations

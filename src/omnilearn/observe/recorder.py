@@ -1,10 +1,10 @@
 """BSP's record of a run (rank 0): per-step totals, bounded aggregates for the summary.
 
-Rank 0's work per step does not grow with the number of workers. Each rank
+Rank 0's files and console do not grow with the number of workers. Each rank
 writes its own step rows to ``RUN_DIR/steps/rank-<r>.jsonl`` and keeps its own
-sums (:class:`~omnilearn.observe.rankrows.RankRows`); once per control
-interval rank 0 gets the window's per-step totals by two reductions
-(:class:`~omnilearn.observe.rankrows.Totals`) and :class:`Telemetry` adds one
+sums (:class:`~omnilearn.observe.rankrows.RankRows`); once per window rank 0
+sums the window's per-step totals from the rows its meeting carried
+(:meth:`~omnilearn.observe.rankrows.Totals.of_table`, one vectorised pass) and :class:`Telemetry` adds one
 record per step (step, ideal and measured step time) to a
 :class:`~omnilearn.observe.suffix.SuffixStats`, so the summary's "last half"
 statistics are exact while memory stays ``O(steps / chunk)`` small vectors.
