@@ -10,11 +10,17 @@ set with ``monkeypatch.setenv`` reaches its ranks, and ``capfd`` sees them.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
+from omnilearn.decisions import SCRIPTED_ENV
 from omnilearn.experiments.launch.supervise import in_launch_env, launch_env, start_context
+
+SPEEDS_4_2_1 = "0.00025,0.0005,0.001"  # scripted per-sample times of speeds 4, 2, 1: the same plan changes every run
 
 
 def start_ranks(fn: Callable[..., None], args: tuple, nprocs: int, **kwargs: Any):
@@ -22,3 +28,19 @@ def start_ranks(fn: Callable[..., None], args: tuple, nprocs: int, **kwargs: Any
     method = start_context().get_start_method()
     return mp.start_processes(in_launch_env, args=(*launch_env(fn), *args), nprocs=nprocs, start_method=method,
                               **kwargs)
+
+
+def scripted_rank_results(fn: Callable[..., None], args: tuple, out: Path, nprocs: int = 3,
+                          times: str = SPEEDS_4_2_1) -> list[dict]:
+    """``start_ranks(fn, args, nprocs)`` with the controller reading the scripted ``times`` (the spawned ranks
+    inherit the variable; this process's is restored after), then each rank's ``out/rank<r>.pt``."""
+    saved = os.environ.get(SCRIPTED_ENV)
+    os.environ[SCRIPTED_ENV] = times
+    try:
+        start_ranks(fn, args, nprocs)
+    finally:
+        if saved is None:
+            os.environ.pop(SCRIPTED_ENV, None)
+        else:
+            os.environ[SCRIPTED_ENV] = saved
+    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(nprocs)]

@@ -25,7 +25,7 @@ Run: ``python -m pytest -q tests/dist/test_accumulation.py`` (about a minute on 
 from __future__ import annotations
 
 import pytest
-from ranks import start_ranks
+from ranks import scripted_rank_results
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import omnilearn
-from omnilearn.decisions import SCRIPTED_ENV
 from tokendata import PAD, PairData, TokenData, reference
 
 pytestmark = pytest.mark.dist
@@ -111,10 +110,7 @@ def _accumulation_worker(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def three_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("accumulation")
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv(SCRIPTED_ENV, "0.00025,0.0005,0.001")  # as speeds 4,2,1; the spawned workers inherit it
-        start_ranks(_accumulation_worker, (str(out / "store"), str(out)), 3)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    return scripted_rank_results(_accumulation_worker, (str(out / "store"), str(out)), out)
 
 
 def test_three_heterogeneous_workers_accumulating_equal_one_process(three_workers):

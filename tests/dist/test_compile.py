@@ -27,7 +27,7 @@ Run: ``python -m pytest -q tests/dist/test_compile.py`` (about half a minute on 
 from __future__ import annotations
 
 import pytest
-from ranks import start_ranks
+from ranks import scripted_rank_results, start_ranks
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -130,10 +130,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("compile")
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv(SCRIPTED_ENV, "0.00025,0.0005,0.001")  # as speeds 4,2,1; the spawned workers inherit it
-        start_ranks(_worker, (str(out / "store"), str(out)), 3)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    return scripted_rank_results(_worker, (str(out / "store"), str(out)), out)
 
 
 def close(a: dict, b: dict) -> float:

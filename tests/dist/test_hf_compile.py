@@ -22,10 +22,9 @@ import os
 
 import pytest
 from needs import needs
-from ranks import start_ranks
+from ranks import scripted_rank_results
 import torch
 
-from omnilearn.decisions import SCRIPTED_ENV
 
 pytestmark = [pytest.mark.dist, needs("transformers", "hf"), needs("accelerate", "hf")]
 COMPILED = dict(torch_compile=True, torch_compile_backend="aot_eager")
@@ -48,13 +47,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     group.destroy()
 
 
-def test_three_compiled_ranks_equal_one_compiled_and_one_eager_process(tmp_path, monkeypatch):
+def test_three_compiled_ranks_equal_one_compiled_and_one_eager_process(tmp_path):
     from test_hf_exact import EXACT_F64, free_port, max_diff, trainer, weights
 
-    with monkeypatch.context() as m:
-        m.setenv(SCRIPTED_ENV, "0.00025,0.0005,0.001")  # as speeds 4,2,1; the spawned ranks inherit it
-        start_ranks(_worker, (3, free_port(), str(tmp_path)), 3)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    ranks = scripted_rank_results(_worker, (3, free_port(), str(tmp_path)), tmp_path)
     references = {}
     for name, arguments in (("compiled", COMPILED), ("eager", {})):
         one = trainer(str(tmp_path / f"one_{name}"), **arguments)

@@ -30,14 +30,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 from needs import needs
-from ranks import start_ranks
+from ranks import scripted_rank_results
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import omnilearn
 from omnilearn.config import ConfigError
-from omnilearn.decisions import SCRIPTED_ENV
 
 if TYPE_CHECKING:
     from transformers import GPT2LMHeadModel
@@ -173,10 +172,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_exact")
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv(SCRIPTED_ENV, "0.00025,0.0005,0.001")  # as speeds 4,2,1; the spawned ranks inherit it
-        start_ranks(_worker, (3, free_port(), str(out)), 3)
-    return out, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    return out, scripted_rank_results(_worker, (3, free_port(), str(out)), out)
 
 
 @pytest.fixture(scope="module")

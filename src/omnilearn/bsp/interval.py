@@ -63,7 +63,7 @@ from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop
 from omnilearn.config import BalanceConfig, ConfigError, shared_settings
 from omnilearn.data.schedule import BatchSchedule
 from omnilearn.decisions import CHECK, INTERVAL, SYNC_BUFFERS, plan_checksum, plans_differ, summarise, table_row
-from omnilearn.distributed.collect import GatherBuffers, RowGathering, all_gather_row, disagreements
+from omnilearn.distributed.collect import RowGathering, all_gather_row, disagreements
 from omnilearn.distributed.group import DistContext
 from omnilearn.observe.rankrows import ROW_NAMES
 
@@ -114,7 +114,7 @@ class Meeting:
     def __init__(self, ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
                  window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
                  step_s: float = 0.0, reset: bool = False, plan: int = 0,
-                 rows: Sequence[Sequence[float]] = (), slots: int = 0, buffers: GatherBuffers | None = None) -> None:
+                 rows: Sequence[Sequence[float]] = (), slots: int = 0) -> None:
         self.ctx, self.kind, self.steps_done = ctx, kind, steps_done
         if len(rows) > slots:
             raise ValueError(f"a meeting with room for {slots} step rows was given {len(rows)}")
@@ -124,7 +124,7 @@ class Meeting:
         row += [v for r in rows for v in r]
         row += [0.0] * (ROW_WIDTH * (slots - len(rows)))
         try:
-            self.gathering = RowGathering(ctx, row, buffers=buffers)
+            self.gathering = RowGathering(ctx, row)
         except RuntimeError as e:
             raise self._absent(e) from e
 
@@ -178,10 +178,9 @@ def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
 
 def window_meeting(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, kind: int, step: int,
                    steps_done: int, rows: list[list[float]], stop: bool = False, cap: int | None = None,
-                   reset: bool = False, summarised: int | None = None, slots: int = 0,
-                   buffers: GatherBuffers | None = None) -> Meeting:
+                   reset: bool = False, summarised: int | None = None, slots: int = 0) -> Meeting:
     """Start the meeting of a window that ended at ``step`` (``kind``: INTERVAL or CHECK); ``rows``: this rank's
     rows of the window so far, sent along; the loop's summary is of the last ``summarised`` of them (all: None)."""
     mine, step_s = summarise(loop, ctx.rank, rows if summarised is None else rows[-summarised:])
     return Meeting(ctx, kind, steps_done, schedule.last_read, mine, stop, cap, step_s, reset,
-                   plan_checksum(schedule, step, loop.lag), rows, slots, buffers)
+                   plan_checksum(schedule, step, loop.lag), rows, slots)

@@ -72,13 +72,11 @@ class MicroSteps:
         self.model: nn.Module | None = None
         self.reduced = False  # whether the model's reduction applies hook.weight (DDP, or FSDP2 on several ranks)
         self.mean_over = 0  # DDP's rank count: its C++ mean divides by it, the loss is scaled by n b_i / B (0: not DDP)
-        self.sync: bool | None = None  # what the model was last told (set only when it changes)
-        self.planned_for: dict[int, tuple[int, ...]] = {}
         self.begin(global_batch)
 
     def use_model(self, model: nn.Module, grouped: bool, world_size: int) -> None:
         """The wrapped model: how its gradients are reduced (see the module docstring)."""
-        self.model, self.sync = model, None
+        self.model = model
         # FSDP2 on one rank copies instead of reduce-scattering: the weight is applied to the gradients then
         self.reduced = grouped and (world_size > 1 or not sharded.is_sharded(model))
         self.mean_over = model.process_group.size() if isinstance(model, DDP) else 0
@@ -86,11 +84,8 @@ class MicroSteps:
 
     def begin(self, batch: int) -> None:
         """A step with this worker's share ``batch`` starts (as the loader's ``accumulation_steps`` micro-batches)."""
-        planned = self.planned_for.get(batch)
-        if planned is None:
-            planned = self.planned_for.setdefault(batch, micro_sizes(batch, self.steps))
-        self.batch, self.planned = batch, planned
-        self.split(planned)
+        self.batch, self.planned = batch, micro_sizes(batch, self.steps)
+        self.split(self.planned)
 
     def split(self, sizes: tuple[int, ...]) -> None:
         """Run the open step as micro-batches of ``sizes`` (summing to the share); resets what was done of it."""
@@ -119,9 +114,6 @@ class MicroSteps:
                 f"this step runs as {k} micro-batches (its share is above this worker's memory cap)")
 
     def _sync_next_forward(self, sync: bool) -> None:
-        if sync is self.sync:
-            return
-        self.sync = sync
         if isinstance(self.model, DDP):
             self.model.require_backward_grad_sync = sync
         elif sharded.is_sharded(self.model):

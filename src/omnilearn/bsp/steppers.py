@@ -141,13 +141,12 @@ class IntervalEnds:
     """Window ends: at the interval's end, or at a check that sees a speed shift (see the module docstring)."""
 
     meeting: WindowRead | None = None
-    gather_buffers = None  # a window meeting's all-gather tensors, for the next (omnilearn.distributed.collect)
 
     def _end_interval(self, step: int) -> None:
         rows = self.ledger.take_rows()
         meeting = window_meeting(self.ctx, self.loop, self.schedule, INTERVAL, step, self.steps_done, rows,
                                  stop_requested(), cap=self.memory.reported(), reset=self.resets.report(),
-                                 slots=self.cfg.control_interval, buffers=self.gather_buffers)
+                                 slots=self.cfg.control_interval)
         self._started(WindowRead(meeting, INTERVAL, step, rows))
 
     def _check(self, step: int) -> None:
@@ -155,12 +154,11 @@ class IntervalEnds:
         rows = self.ledger.rows()
         meeting = window_meeting(self.ctx, self.loop, self.schedule, CHECK, step, self.steps_done, rows,
                                  cap=self.memory.reported(), reset=self.resets.report(), summarised=self.check_every,
-                                 slots=self.cfg.control_interval, buffers=self.gather_buffers)
+                                 slots=self.cfg.control_interval)
         self._started(WindowRead(meeting, CHECK, step, rows[:]))
 
     def _started(self, read: WindowRead) -> None:
         self.meeting = read
-        self.gather_buffers = getattr(read.meeting.gathering, "buffers", None)  # the next meeting's, if free then
         # by the read, a rank has sampled at most one step more than its row says, unless its loop samples further
         # ahead meanwhile: then it decides first (the schedule's hold), so no change can land on a sampled step
         self.schedule.hold(self.schedule.last_read + 1, self._decide)

@@ -88,8 +88,8 @@ class BalancedDDP(DDP):
         """Refuse what was done to the model after ``ol.wrap_model`` (module docstring). Every forward: an outer
         DDP, and whether this model's or its module's type changed since the last full look (``fully_shard``
         changes a module's class in place); the first forward and after such a change, every module and parameter."""
-        outer = DDP._get_active_ddp_module()  # the DDP whose forward is running (see outer_ddp), inlined: per forward
-        if outer is not None and outer is not self:
+        outer = outer_ddp(self)
+        if outer is not None:
             raise ConfigError(f"the model ol.wrap_model() returned was wrapped again in {type(outer).__name__} "
                               "(accelerator.prepare(model) after ol.wrap_model?), which would average its weighted "
                               "gradients a second time: keep ol.wrap_model's model and prepare only the optimizer "

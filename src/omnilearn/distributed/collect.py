@@ -31,23 +31,17 @@ _GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 
 
 class RowGathering:
-    """An all-gather of one row per rank in flight; :meth:`wait` gives every rank's row, in rank order.
+    """An all-gather of one row per rank in flight; :meth:`wait` gives every rank's row, in rank order."""
 
-    ``buffers``: a :class:`GatherBuffers` to reuse (a session's meetings are alike in size and one at a time):
-    nothing is allocated per meeting."""
-
-    def __init__(self, ctx: DistContext, row: Sequence[float], group=None,
-                 buffers: "GatherBuffers | None" = None) -> None:
+    def __init__(self, ctx: DistContext, row: Sequence[float], group=None) -> None:
+        self.rows = [[float(v) for v in row]]  # one process alone (or a group of one): its own row, at once
         self.work = None
         world = dist.get_world_size(group) if ctx.grouped else 1
-        if world == 1:
-            self.rows = [[float(v) for v in row]]  # one process alone (or a group of one): its own row, at once
-            return
-        if buffers is None or not buffers.free(ctx, world, len(row)):
-            buffers = GatherBuffers(ctx, world, len(row))
-        self.buffers = buffers
-        self.out, self.shape = buffers.load(row)
-        self.work = buffers.work = _GATHER_INTO(self.out, buffers.mine, group=group, async_op=True)  # no stack
+        if world > 1:
+            mine = torch.tensor(self.rows[0], dtype=torch.float64, device=ctx.device)
+            self.out = torch.empty(world * len(mine), dtype=torch.float64, device=ctx.device)  # flat: gloo's need
+            self.shape = (world, len(mine))
+            self.work = _GATHER_INTO(self.out, mine, group=group, async_op=True)  # one buffer: no stack
 
     def wait(self) -> list[list[float]]:
         if self.work is not None:
@@ -55,33 +49,6 @@ class RowGathering:
             work.wait()
             self.rows = self.out.view(self.shape).cpu().tolist()
         return self.rows
-
-
-class GatherBuffers:
-    """The send and receive tensors of one row's all-gather, kept for the next one of the same size.
-
-    The row goes in through a float64 numpy view of a host tensor (no tensor built from a list); on CUDA it is
-    copied to the device tensor the backend sends from."""
-
-    def __init__(self, ctx: DistContext, world: int, width: int) -> None:
-        self.device, self.world, self.width = ctx.device, world, width
-        self.host = torch.zeros(width, dtype=torch.float64, pin_memory=ctx.device.type == "cuda")
-        self.view = self.host.numpy()
-        self.mine = self.host if ctx.device.type == "cpu" else torch.empty_like(self.host, device=ctx.device)
-        self.out = torch.empty(world * width, dtype=torch.float64, device=ctx.device)  # flat: gloo's need
-        self.work = None
-
-    def free(self, ctx: DistContext, world: int, width: int) -> bool:
-        """Of this size, and no gather of them still in flight (one left unread, its peers gone, keeps them)."""
-        return (self.device, self.world, self.width) == (ctx.device, world, width) and (
-            self.work is None or self.work.is_completed())
-
-    def load(self, row: Sequence[float]) -> tuple[torch.Tensor, tuple[int, int]]:
-        """``row`` into the send buffer; the receive buffer and its shape (the previous gather must be done)."""
-        self.view[:] = row
-        if self.mine is not self.host:
-            self.mine.copy_(self.host, non_blocking=True)
-        return self.out, (self.world, self.width)
 
 
 def all_gather_row(ctx: DistContext, row: Sequence[float], group=None) -> list[list[float]]:
