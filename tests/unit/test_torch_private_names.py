@@ -11,6 +11,9 @@ name                                                      used by
 ========================================================  ==========================================
 ``DistributedDataParallel._get_active_ddp_module()``      bsp/wrap.py (a DDP wrapped in another)
 ``Variable._execution_engine.queue_callback``             bsp/backward.py (the ready and reduced marks)
+``torch.utils._pytree.tree_leaves``                       bsp/backward.py (the output's tensors)
+``torch._foreach_mul_``                                   bsp/micro.py (token counts: accumulated gradients)
+``OptimizedModule._orig_mod``                             bsp/session.py (``ol.module`` of a compiled model)
 ``DistributedDataParallel.reducer/logger/process_group``  bsp/wrap.py (release), bsp/memory.py
 ``DistributedDataParallel.reducer._reset_state()``        bsp/memory.py (out-of-memory redo)
 ``DistributedDataParallel._has_rebuilt_buckets``          bsp/memory.py
@@ -176,3 +179,26 @@ def test_setup_checks_the_torch_version(monkeypatch):
     monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
     with pytest.raises(ConfigError, match=r"omnilearn.setup: torch .* is outside the versions OmniLearn was tested"):
         omnilearn.setup(global_batch=4, device="cpu")
+
+
+def test_pytree_tree_leaves_finds_the_tensors_of_a_nested_output():
+    """bsp/backward.py hooks every tensor leaf of a model's output (tuples, dicts, dataclass-like outputs)."""
+    from torch.utils._pytree import tree_leaves
+
+    a, b = torch.ones(1), torch.zeros(2)
+    assert [id(t) for t in tree_leaves({"x": (a, [b]), "n": 3}) if torch.is_tensor(t)] == [id(a), id(b)], \
+        "torch.utils._pytree.tree_leaves changed"
+
+
+def test_foreach_mul_scales_a_list_of_gradients_in_place_by_a_tensor():
+    """bsp/micro.py multiplies the accumulated gradients by a 0-dim device tensor (token counts under DDP)."""
+    grads = [torch.ones(2, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64)]
+    torch._foreach_mul_(grads, torch.tensor(0.5, dtype=torch.float64))
+    assert grads[0].tolist() == [0.5, 0.5] and grads[1].tolist() == [1.0, 1.0, 1.0], "torch._foreach_mul_ changed"
+
+
+def test_compiled_module_keeps_the_original_as_orig_mod():
+    """bsp/session.py's ``ol.module`` takes torch.compile's wrapper off through ``_orig_mod``."""
+    net = nn.Linear(2, 2)
+    assert torch.compile(net)._orig_mod is net, "torch.compile's OptimizedModule no longer keeps _orig_mod"
+

@@ -171,7 +171,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
         """The user's model without the DDP wrapper, nor ``torch.compile``'s (for evaluation and saving: its
         ``state_dict`` keys are the model's own, whichever order it was compiled and wrapped in)."""
         model = self.model.module if isinstance(self.model, DDP) else self.model
-        return getattr(model, "_orig_mod", model)  # OptimizedModule's (public attribute of torch.compile's wrapper)
+        return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule (private: tests/unit guards it)
 
     @property
     def epoch(self) -> int:
