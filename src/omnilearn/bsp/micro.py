@@ -114,9 +114,9 @@ class MicroSteps:
                 f"this step runs as {k} micro-batches (its share is above this worker's memory cap)")
 
     def _sync_next_forward(self, sync: bool) -> None:
-        if isinstance(self.model, DDP):
+        if self.mean_over:  # DDP
             self.model.require_backward_grad_sync = sync
-        elif sharded.is_sharded(self.model):
+        elif self.model is not None and sharded.is_sharded(self.model):
             sharded.set_gradient_sync(self.model, sync)
 
     def backward(self, loss: torch.Tensor, count: int | float | torch.Tensor | None = None) -> None:

@@ -24,6 +24,8 @@ import numpy as np
 
 def micro_sizes(batch: int, parts: int) -> tuple[int, ...]:
     """``batch`` cut into ``parts`` sizes as equal as possible (the larger first); none may be empty."""
+    if parts == 1 and batch >= 1:  # no accumulation: every step's case
+        return (batch,)
     if parts < 1 or batch < parts:
         raise ValueError(f"a batch of {batch} cannot be cut into {parts} non-empty micro-batches")
     q, r = divmod(batch, parts)
