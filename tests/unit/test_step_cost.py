@@ -24,7 +24,7 @@ from torch import nn
 import omnilearn
 
 STEP_BUDGET = 34  # Python and C calls of a quiet step's ol.step() (31 on 2026-11-27, 37 before issue 33)
-FETCH_BUDGET = 20  # calls the hand-out adds to a plain DataLoader's next() (the same data and batch; 5 to 15 on 2026-11-27 as the process ran other tests first, 28 before)
+FETCH_BUDGET = 20  # calls the hand-out adds to a plain DataLoader's next() (the same data and batch; 15 at the last run of 2026-11-27, 5 at an earlier one, 28 before issue 33)
 
 
 class Rows(torch.utils.data.Dataset):
