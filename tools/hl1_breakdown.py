@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--control-interval", type=int, default=TrainConfig.control_interval,
                     help="OmniLearn's steps per control interval (meetings: its end and a check at each third)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
+    ap.add_argument("--aa", action="store_true",
+                    help="A/A control: the second loop is plain DDP too (the spread of the ratio with nothing to find)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="then N OmniLearn steps under cProfile on rank 0: the N functions with the most own time")
     args = ap.parse_args()
@@ -174,12 +176,15 @@ def main() -> None:
     splits = workload.load_data(cfg)
     plain = plain_loop(cfg, splits, device)
     ol, omni = omni_loop(cfg, splits, (args.blocks + 1) * args.steps + args.profile + 10)
+    if args.aa:
+        omni = plain_loop(cfg, splits, device)
+    SECOND = "plain DDP'" if args.aa else "OmniLearn"  # noqa: N806  (the second loop's label)
     plain.block(args.steps // 2)  # warm-up of both, unmeasured
     omni.block(args.steps // 2)
     walls: dict[str, list[float]] = defaultdict(list)
     parts: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for _ in range(args.blocks):
-        for name, loop in (("plain DDP", plain), ("OmniLearn", omni)):
+        for name, loop in (("plain DDP", plain), (SECOND, omni)):
             wall, mine = loop.block(args.steps)
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
@@ -198,11 +203,15 @@ def main() -> None:
                 shown = {p: v for p, v in parts[name].items() if p.endswith(" cpu") == (kind == "cpu")}
                 print(f"{name:10s} {kind:4s} {statistics.median(wall) * 1e6 if kind == 'wall' else sum(statistics.median(v) for v in shown.values()) * 1e6:7.0f} | "
                       + " | ".join(f"{p.removesuffix(' cpu')} {statistics.median(v) * 1e6:6.0f}" for p, v in shown.items()))
-        ratios = [o / p for p, o in zip(walls["plain DDP"], walls["OmniLearn"])]
-        extra = [(o - p) * 1e6 for p, o in zip(walls["plain DDP"], walls["OmniLearn"])]
-        print("OmniLearn / plain DDP per pair: " + ", ".join(f"{r:.3f}" for r in ratios))
+        ratios = [o / p for p, o in zip(walls["plain DDP"], walls[SECOND])]
+        extra = [(o - p) * 1e6 for p, o in zip(walls["plain DDP"], walls[SECOND])]
+        cpu = {name: [sum(block) for block in zip(*(v for p, v in parts[name].items() if p.endswith(" cpu")))]
+               for name in walls}
+        extra_cpu = [(o - p) * 1e6 for p, o in zip(cpu["plain DDP"], cpu[SECOND])]
+        print(f"{SECOND} / plain DDP per pair: " + ", ".join(f"{r:.3f}" for r in ratios))
         print(f"median ratio {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
-              f"median extra {statistics.median(extra):+.0f} us per step")
+              f"median extra {statistics.median(extra):+.0f} us per step (main thread's CPU: "
+              f"{statistics.median(extra_cpu):+.0f} us, {statistics.median(extra_cpu) / statistics.median(cpu['plain DDP']) / 1e6:+.1%} of plain's)")
         if table:
             print(table)
     dist.destroy_process_group()

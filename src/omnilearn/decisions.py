@@ -135,3 +135,21 @@ def reset_asked(table: Sequence[Sequence[float]]) -> bool:
 def check_every(interval: int) -> int:
     """Steps between mid-interval checks for a speed shift: a third of the interval (0: none below 6 steps)."""
     return interval // 3 if interval >= 6 else 0
+
+
+# A check costs a meeting (an all-gather and the loop's test: 0.1-1 ms of the training thread's host time,
+# docs/results.md "The hot path"); it pays where the steps between two checks last at least this long (the
+# meeting is then at most a few percent of them). Where steps are shorter, a shift waits for the interval's
+# end: at most two check windows, under 0.1 s, later.
+CHECK_WINDOW_MIN_S = 0.05
+
+
+def checks_pay(step_s: float, every: int) -> bool:
+    """Whether mid-interval checks every ``every`` steps pay for their meetings at steps of ``step_s`` (the
+    last interval's: every worker reads the same gathered value, so all reach the same answer)."""
+    return every > 0 and every * step_s >= CHECK_WINDOW_MIN_S
+
+
+def interval_step_s(table: Sequence[Sequence[float]]) -> float:
+    """The interval's step time from its gathered table: the largest worker median (the step waits for it)."""
+    return max(float(row[5]) for row in table)

@@ -8,6 +8,10 @@
   changes it), not the changes a later one superseded; it is exact in the
   float64 header; :func:`~omnilearn.decisions.plans_differ` names the workers
   that differ from worker 0.
+- :func:`~omnilearn.decisions.checks_pay`: mid-interval checks run where the steps between two of them last
+  at least :data:`~omnilearn.decisions.CHECK_WINDOW_MIN_S`, judged on the slowest worker's median step of the
+  last interval (:func:`~omnilearn.decisions.interval_step_s`); never without checks (``every`` 0).
+- The loop hands the model pairs only to a controller that reads them.
 
 Run: ``python -m pytest -q tests/unit/test_decisions.py``
 """
@@ -18,8 +22,11 @@ from hypothesis import given, strategies as st
 
 from omnilearn.balance.loop import WINDOW_FIELDS
 from omnilearn.data.schedule import BatchSchedule
-from omnilearn.decisions import (CHECK, HEADER, INTERVAL, plan_checksum, plans_differ, reset_asked, stop_asked,
-                                 table_row)
+from omnilearn.balance.allocation import Bounds
+from omnilearn.balance.controllers import make_controller
+from omnilearn.balance.loop import ControlLoop, window_row
+from omnilearn.decisions import (CHECK, CHECK_WINDOW_MIN_S, HEADER, INTERVAL, checks_pay, interval_step_s,
+                                 plan_checksum, plans_differ, reset_asked, stop_asked, table_row)
 
 
 def test_every_header_field_has_its_slot_and_the_window_follows():
@@ -71,3 +78,25 @@ def test_plans_differ_names_the_workers_apart_from_worker_0():
     rows = [table_row(INTERVAL, 3, 5, [0.0] * WINDOW_FIELDS, plan=p) for p in (11, 11, 12, 13)]
     assert plans_differ(rows) == [2, 3] and plans_differ(rows[:2]) == []
 
+
+
+def test_checks_pay_where_the_steps_between_two_last_long_enough():
+    assert checks_pay(CHECK_WINDOW_MIN_S / 5, 5) and checks_pay(0.2, 5)
+    assert not checks_pay(CHECK_WINDOW_MIN_S / 5 * 0.99, 5) and not checks_pay(0.002, 5)  # 2 ms steps: 10 ms
+    assert not checks_pay(10.0, 0)  # an interval too short for checks has none
+    rows = [table_row(INTERVAL, 15, 15, [0.0] * WINDOW_FIELDS, step_s=s) for s in (0.004, 0.011, 0.009)]
+    assert interval_step_s(rows) == 0.011  # the step waits for the slowest worker
+
+
+def test_the_model_pairs_go_only_to_a_controller_that_reads_them():
+    seen = {}
+    for name in ("uniform", "omnilearn", "model"):
+        controller = make_controller(name, Bounds(64, 2, 4, 64), [1.0, 1.0])
+        propose = controller.propose
+        controller.propose = lambda est, name=name, propose=propose: (seen.__setitem__(name, est.history),
+                                                                        propose(est))[1]
+        loop = ControlLoop(controller)
+        for step in range(4):
+            loop.update(step, [window_row(b, [0.01, 0.011, 0.012]) for b in loop.batches])
+    assert seen["uniform"] is None and seen["omnilearn"] is None
+    assert seen["model"].shape == (10, 2, 2)

@@ -34,7 +34,7 @@ Run: ``python -m pytest -q tests/unit/test_controller.py tests/unit/test_loop.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import ClassVar, Protocol, Sequence
 
 import numpy as np
 
@@ -110,6 +110,7 @@ class FixedController:
     name: str
     batches: list[int]
     bounds: Bounds | None = None  # for the loop's caps: a plan above a worker's cap is re-planned within it
+    reads_history: ClassVar[bool] = False  # the loop builds Estimates.history only for a controller that reads it
 
     def initial(self) -> list[int]:
         return list(self.batches)
@@ -137,6 +138,7 @@ class ProportionalController:
     bounds: Bounds
     name: str = "omnilearn"
     start: list[int] = field(default_factory=list)
+    reads_history: ClassVar[bool] = False  # the loop builds Estimates.history only for a controller that reads it
 
     def __post_init__(self) -> None:
         if not self.start:
@@ -171,6 +173,7 @@ class ModelController(ProportionalController):
     """
 
     name: str = "model"
+    reads_history: ClassVar[bool] = True
 
     def propose(self, est: Estimates) -> Proposal:
         h = None if est.history is None else np.asarray(est.history, dtype=float)

@@ -70,6 +70,7 @@ Run: ``python -m pytest -q tests/unit/test_loop.py tests/unit/test_guards.py tes
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 from statistics import NormalDist
@@ -90,6 +91,12 @@ SHIFT_Z = 3.0  # standard errors a window must move, besides ``shift``, to count
 # anyway), while a minimum of 2 would freeze small plans: 8 samples on 4 workers could never move.
 MIN_MOVE_SAMPLES = 1
 PIN_WINDOWS = 3  # decisions in a row a worker must sit at min_batch, still the slowest, to be warned about
+
+
+@functools.lru_cache(maxsize=64)
+def _margin_z(n: int) -> float:
+    """:meth:`ControlLoop.margin_z` for ``n`` workers (a pure function of n: computed once per n)."""
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) + NOISE_Z
 
 
 _POOLS: "weakref.WeakKeyDictionary[ControlLoop, tuple]" = weakref.WeakKeyDictionary()  # _pooled's cache, outside the state
@@ -245,8 +252,7 @@ class ControlLoop:
         0.87 at 3 workers, 2.34 at 64, 3.23 at 1,024. The asymptote ``sqrt(2 ln n)`` (1.48, 2.88,
         3.72) overstates it most where it hurts: 3-4 workers on a noisy host.
         """
-        n = self.workers
-        return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) + NOISE_Z
+        return _margin_z(self.workers)
 
     def noise(self, times: np.ndarray, stderr: np.ndarray, predicted: np.ndarray) -> float:
         """The relative gain noise could fake: predicted gain minus the least gain the estimates allow.
@@ -293,17 +299,19 @@ class ControlLoop:
         if self.guard.holding:
             return Decision(step, old, old, times_s, False, f"holding still {self.guard.holding} more window(s) "
                             "after taking a slower change back")
-        proposal = self.controller.propose(Estimates(self.plan.copy(), times, stderr, self.history_pairs()))
+        # the model pairs only for a controller that reads them (a controller that does not say reads them)
+        history = self.history_pairs() if getattr(self.controller, "reads_history", True) else None
+        proposal = self.controller.propose(Estimates(self.plan.copy(), times, stderr, history))
         bounds = getattr(self.controller, "bounds", None)
         self.pin.decided(None if bounds is None else pinned_low(self.plan, times, bounds.min_batch, 2 * self.deadband))
         new = np.asarray(proposal.batches, dtype=np.int64)
         before, after = float(times.max()), float(np.max(proposal.times_s))
         gain = (before - after) / before
-        noise = self.noise(times, stderr, np.asarray(proposal.times_s, dtype=float))
         why = f"predicted step {before:.4g} s -> {after:.4g} s (gain {gain:.1%})"
-        if (new == self.plan).all():
-            held = proposal.reason or "the controller keeps the plan"
+        if (new == self.plan).all():  # most decisions: nothing to judge, so no noise bound to compute
+            held, noise = proposal.reason or "the controller keeps the plan", 0.0
         else:
+            noise = self.noise(times, stderr, np.asarray(proposal.times_s, dtype=float))
             held = self.held(step, new, gain, noise, why)
         if held:
             return Decision(step, old, old, times_s, False, held, None, (before, after))

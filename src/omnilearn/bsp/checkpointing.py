@@ -208,7 +208,7 @@ def session_state(session: Session) -> dict:
             "steps_done": session.steps_done, "next_step": session.next_step, "train_s": session.clock.at_last_step_s,
             "loop": session.loop.state_dict(), "schedule": session.schedule.state_dict(),
             "sampler": session.sampler.state_dict(), "data": session.sampler.basis() or {},
-            f"rank{session.rank}": mine}
+            "checks": session.checks_on, f"rank{session.rank}": mine}
 
 
 def load_session_state(session: Session, state: dict) -> None:
@@ -225,6 +225,7 @@ def load_session_state(session: Session, state: dict) -> None:
     if same:
         session.loop.load_state_dict(state["loop"])
         session.schedule.load_state_dict(state["schedule"])
+        session.checks_on = bool(state.get("checks", True))  # as the last interval left it (older states: on)
     session.sampler.load_state_dict(state["sampler"])
     session.steps_done, session.next_step = int(state["steps_done"]), int(state["next_step"])
     session.clock.restore(float(state["train_s"]))

@@ -144,6 +144,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
         self.caps_seen: list[int] | None = None  # rank 0: the caps the loop held at the last interval end
         # steps between looks for a speed shift (0: none; one worker has nothing to shift against)
         self.check_every = check_every(cfg.control_interval) if ctx.world_size > 1 else 0
+        self.checks_on = True  # whether the checks pay at the last interval's step time (decisions.checks_pay)
         self.steps_done = self.next_step = 0
         self.model: nn.Module | None = None
         self.loader: BalancedLoader | None = None
@@ -276,7 +277,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
         size = self.ledger.window_size()
         if size == self.cfg.control_interval or step + 1 == self.run.total_steps:
             self._end_interval(step)
-        elif self.check_every and size % self.check_every == 0:
+        elif self.check_every and self.checks_on and size % self.check_every == 0:
             self._check(step)
         if self.probe is not None:
             self.memory.probe(self.probe.end(max(self.micro.sizes)))

@@ -9,7 +9,9 @@ attributes: ``cfg``, ``ctx``, ``loop``, ``schedule``, ``ledger``, ``micro``,
 - :class:`IntervalEnds`: the end of a control interval (one all-gather that
   also carries the step rows rank 0 totals, the decision, this rank's rows to
   its file, buffers, telemetry) and the mid-interval checks for a speed shift
-  (:mod:`omnilearn.bsp.interval`); both carry this rank's pending reducer
+  (:mod:`omnilearn.bsp.interval`), held while the last interval's steps were too short for a check's meeting
+  to pay (:func:`~omnilearn.decisions.checks_pay`: a shift then waits for the interval's end); both carry this
+  rank's pending reducer
   reset and, if any rank has one, make every rank reset DDP's reducer after
   the same step (:class:`~omnilearn.bsp.memory.ReducerResets`).
 
@@ -43,7 +45,8 @@ from dataclasses import dataclass
 from omnilearn.bsp import memory, sharded
 from omnilearn.balance.controllers import Decision
 from omnilearn.bsp.interval import Meeting, window_meeting
-from omnilearn.decisions import CHECK, INTERVAL, check, feed, reset_asked, stop_asked
+from omnilearn.decisions import (CHECK, INTERVAL, check, checks_pay, feed, interval_step_s, reset_asked,
+                                 stop_asked)
 from omnilearn.observe.rankrows import Totals
 from omnilearn.stopping import stop_requested
 
@@ -192,6 +195,7 @@ class IntervalEnds:
         self.resets.met(reset_asked(table))
         if read.kind == INTERVAL:
             self.should_stop = self.should_stop or stop_asked(table)
+            self.checks_on = checks_pay(interval_step_s(table), self.check_every)
             self._close_window(at, decision, read)
         elif decision is not None:  # recorded: the window ends with the steps the check saw
             self.ledger.take_first(len(read.rows))

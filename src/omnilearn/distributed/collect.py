@@ -34,11 +34,12 @@ class RowGathering:
     """An all-gather of one row per rank in flight; :meth:`wait` gives every rank's row, in rank order."""
 
     def __init__(self, ctx: DistContext, row: Sequence[float], group=None) -> None:
-        self.rows = [[float(v) for v in row]]  # one process alone (or a group of one): its own row, at once
         self.work = None
-        world = dist.get_world_size(group) if ctx.grouped else 1
-        if world > 1:
-            mine = torch.tensor(self.rows[0], dtype=torch.float64, device=ctx.device)
+        world = 1 if not ctx.grouped else ctx.world_size if group is None else dist.get_world_size(group)
+        if world == 1:  # one process alone (or a group of one): its own row, at once
+            self.rows = [[float(v) for v in row]]
+        else:
+            mine = torch.tensor(row, dtype=torch.float64, device=ctx.device)
             self.out = torch.empty(world * len(mine), dtype=torch.float64, device=ctx.device)  # flat: gloo's need
             self.shape = (world, len(mine))
             self.work = _GATHER_INTO(self.out, mine, group=group, async_op=True)  # one buffer: no stack

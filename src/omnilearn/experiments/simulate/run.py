@@ -22,6 +22,7 @@ import numpy as np
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.balance.windows import window_row, window_table
+from omnilearn.decisions import check_every, checks_pay
 from omnilearn.experiments.simulate.model import NoiseStream, Scenario, balanced
 
 REACTION_TOLERANCE, REACTION_WINDOW = 0.10, 5  # as the bench: within 10% of ideal, that step and a 5-step median
@@ -86,7 +87,8 @@ def run_controller(sc: Scenario, name: str) -> Trace:
     now = np.asarray(loop.batches, dtype=np.int64)  # the batches in effect
     pending: list[tuple[int, np.ndarray]] = []
     times, ran = [], []  # this window's per-step compute times and batches
-    check = sc.interval // 3 if sc.checks and sc.interval >= 6 else 0
+    check = check_every(sc.interval) if sc.checks else 0
+    checks_on = True  # as the runtime: held while the last interval's steps were too short for a check to pay
     for step in range(sc.steps):
         while pending and pending[0][0] <= step:
             now = pending.pop(0)[1]
@@ -100,10 +102,12 @@ def run_controller(sc: Scenario, name: str) -> Trace:
         size = len(times)
         if size == sc.interval or step + 1 == sc.steps:
             first = 0
-        elif check and size % check == 0:
+        elif check and checks_on and size % check == 0:
             first = size - check
         else:
             continue
+        if first == 0:
+            checks_on = checks_pay(float(np.median(trace.step_s[step - size + 1: step + 1])), check)
         decision = decide(loop, trace, step, np.array(times[first:]).T, np.array(ran[first:]).T,
                           trace.step_s[step - (size - first) + 1: step + 1], look=first > 0)
         if decision is None:
