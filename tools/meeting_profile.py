@@ -36,7 +36,7 @@ from omnilearn.observe.recorder import Telemetry  # noqa: E402
 
 PARTS = [(steppers.IntervalEnds, "_end_interval"), (steppers.IntervalEnds, "_check"),
          (steppers.IntervalEnds, "_read_meeting"), (steppers.IntervalEnds, "_decide"),
-         (steppers.IntervalEnds, "_close_window"), (interval.Meeting, "__init__"), (interval.Meeting, "table"),
+         (steppers.IntervalEnds, "_close_window"), (steppers.IntervalEnds, "_reductions_launched"), (interval.Meeting, "__init__"), (interval.Meeting, "table"),
          (RowGathering, "__init__"), (ControlLoop, "update"), (ControlLoop, "shifted"), (Telemetry, "window"),
          (steps.StepLedger, "rows"), (RankRows, "add"), (Totals, "of_table")]
 

@@ -197,6 +197,22 @@ def test_train_clock_leaves_pauses_out():
     assert clock.train_s(33.0) == pytest.approx(5.0) and clock.wall_s(33.0) == 23.0
 
 
+def test_a_step_end_freezes_the_training_time_as_train_s_reads_it():
+    clock = TrainClock()
+    clock.step_ended()  # before the first step: nothing counted
+    assert clock.at_last_step_s == 0.0
+    clock.restore(7.0)
+    clock.start()
+    clock.pause()
+    clock.resume()
+    before = clock.train_s()
+    clock.step_ended()  # the inline reading (not paused) lies between two of train_s's
+    assert before <= clock.at_last_step_s <= clock.train_s() and before >= 7.0
+    clock.pause()
+    clock.step_ended()  # paused: frozen at the pause
+    assert clock.at_last_step_s == clock.train_s() == clock.train_s(clock.pause_began_s + 5.0)
+
+
 def test_asp_settings_are_validated():
     assert ASPSettings().lr_scaling == "linear"
     with pytest.raises(ConfigError, match="lr_scaling"):

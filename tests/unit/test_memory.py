@@ -168,7 +168,7 @@ def test_a_reset_pending_after_the_meeting_started_waits_for_the_next_meeting():
     cannot have reset with it; it stays pending and the next meeting carries it."""
     failed = Failure(8, "forward", True, "")
     ddp, resets = StandInDDP(), ReducerResets()
-    resets.watch(ddp)
+    resets.watch(ddp, follow=True)
     assert resets.report() is False  # the meeting starts: nothing pending
     ddp(torch.ones(1, 2))  # the next step's syncing forward, then an out-of-memory error
     resets.after(failed)
@@ -183,7 +183,10 @@ def test_a_reset_pending_after_the_meeting_started_waits_for_the_next_meeting():
 def test_reducer_resets_keep_ddps_bucket_rebuild_collective():
     failed = Failure(8, "forward", True, "")
     ddp, peer, resets, peers = StandInDDP(), StandInDDP(), ReducerResets(), ReducerResets()
-    resets.watch(ddp), resets.watch(ddp), peers.watch(peer)  # the hook once per model
+    peers.watch(peer)  # a meeting's reader: knows the model, follows no forward (a hook costs every forward)
+    assert not peer._forward_hooks
+    resets.watch(ddp, follow=True), resets.watch(ddp, follow=True), peers.watch(peer, follow=True)
+    assert len(ddp._forward_hooks) == len(peer._forward_hooks) == 1  # run_step's: the hook once per model
     resets.begin()
     resets.after(failed)  # nothing announced: the error came before (or inside) DDP's forward
     assert ddp.resets == 0 and not resets.pending and ddp._has_rebuilt_buckets

@@ -49,6 +49,12 @@ replay of :meth:`BackwardMarks.on_output` when the wrapped model itself is
 compiled); the parameter hook and the engine callbacks run outside any
 graph (compiled autograd, which would trace them, is not supported).
 
+At the end-of-graph callback every bucket's all-reduce has been launched
+and DDP has not waited for them yet: ``on_launched()`` runs there, so host
+work the session has pending (a meeting's decision, on CPU:
+:meth:`omnilearn.bsp.session.Session._reductions_launched`) overlaps the
+reductions instead of adding to the step.
+
 ``torch.autograd.Variable._execution_engine.queue_callback`` is private
 (DDP and FSDP use it themselves); tests/unit/test_torch_private_names.py
 holds it to that.
@@ -68,8 +74,9 @@ from torch.utils._pytree import tree_leaves
 
 
 class _Callback:
-    """A callback attribute: a bound method is kept as a weak reference (None once its object is gone), so the
-    model (which holds the marks and their state) never keeps the session that set it alive."""
+    """A callback attribute: a bound method is kept as a weak reference to its object and its function (None once
+    the object is gone), so the model (which holds the marks and their state) never keeps the session that set it
+    alive. The hooks call it through :func:`_call` (no descriptor, no ``WeakMethod`` per call: they run every step)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.slot = f"_{name}"
@@ -77,12 +84,26 @@ class _Callback:
     def __get__(self, state: "HookState | None", owner: type | None = None):
         if state is None:
             return self
-        ref = getattr(state, self.slot)
-        return None if ref is None else ref()
+        ref, fn = getattr(state, self.slot)
+        if ref is None:
+            return fn
+        obj = ref()
+        return None if obj is None else fn.__get__(obj)
 
     def __set__(self, state: "HookState", fn: Callable | None) -> None:
-        ref = None if fn is None else weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
-        setattr(state, self.slot, ref)
+        setattr(state, self.slot, (weakref.ref(fn.__self__), fn.__func__) if inspect.ismethod(fn) else (None, fn))
+
+
+def _call(slot: tuple, *args: Any) -> None:
+    """Call a :class:`_Callback`'s stored ``(object reference or None, function)``, if it is set and alive."""
+    ref, fn = slot
+    if ref is None:
+        if fn is not None:
+            fn(*args)
+        return
+    obj = ref()
+    if obj is not None:
+        fn(obj, *args)
 
 
 class HookState:
@@ -94,19 +115,21 @@ class HookState:
     (:mod:`omnilearn.bsp.sharded`). ``output_scale``: ``n b_i / B`` for DDP's mean (None while ``ol.backward``
     runs: the loss is scaled already). ``weighted``: this step's gradient got its weight; ``unhooked``: the type
     of a syncing forward's output that held no tensor to hook. ``on_ready()`` / ``on_reduced(last)``: the
-    marks (module docstring); bound methods are held weakly.
+    marks, ``on_launched()``: every reduction is in flight (module docstring); bound methods are held weakly.
     """
 
     on_ready = _Callback()
     on_reduced = _Callback()
+    on_launched = _Callback()
 
     def __init__(self, process_group: Any = None, weight: Any = 1.0, on_ready: Callable[[], None] | None = None,
-                 on_reduced: Callable[[bool], None] | None = None) -> None:
+                 on_reduced: Callable[[bool], None] | None = None,
+                 on_launched: Callable[[], None] | None = None) -> None:
         self.process_group, self.weight = process_group, weight
         self.output_scale: float | None = None
         self.weighted = False
         self.unhooked: str | None = None
-        self.on_ready, self.on_reduced = on_ready, on_reduced
+        self.on_ready, self.on_reduced, self.on_launched = on_ready, on_reduced, on_launched
 
 
 def _grad_leaves(out) -> list[torch.Tensor]:
@@ -167,15 +190,14 @@ class BackwardMarks:
 
     def _ready(self) -> None:
         self.armed = False
-        on_ready = self.state.on_ready
-        if on_ready is not None:
-            on_ready()
+        _call(self.state._on_ready)
 
     def _end_of_graph(self) -> None:
         if self.order is not None:
             self._learned()
         if self.armed:  # the learned parameter got no gradient this step (or this was the learning step)
             self._ready()
+        _call(self.state._on_launched)  # every bucket's reduction is in flight: host work here overlaps them
         Variable._execution_engine.queue_callback(self._reduced)  # runs after DDP's finalize_backward
 
     def _learned(self) -> None:
@@ -188,9 +210,7 @@ class BackwardMarks:
             self.handles = [self.last.register_post_accumulate_grad_hook(self._last_grad)]
 
     def _reduced(self) -> None:
-        on_reduced = self.state.on_reduced
-        if on_reduced is not None:
-            on_reduced(True)
+        _call(self.state._on_reduced, True)
 
     def remove(self) -> None:
         """Take the parameter hooks off (the model lets go of its group: :func:`omnilearn.bsp.wrap.release`)."""

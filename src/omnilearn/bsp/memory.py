@@ -297,15 +297,19 @@ class ReducerResets:
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
+        self.followed: nn.Module | None = None  # the model whose forwards the hook follows
         self.announced = self.pending = False
         self.fresh = False  # pending since the last meeting's report: left for the next meeting
 
-    def watch(self, model: nn.Module | None) -> None:
-        """Follow ``model``'s forwards (once per model; nothing for a model without DDP's reducer)."""
-        if model is None or model is self.model or getattr(model, "reducer", None) is None:
+    def watch(self, model: nn.Module | None, follow: bool = False) -> None:
+        """Know ``model``, which a reset acts on (nothing for a model without DDP's reducer); ``follow``: also follow
+        its forwards, once per model (``run_step``'s attempts only: a forward hook costs every forward)."""
+        if model is None or getattr(model, "reducer", None) is None:
             return
         self.model = model
-        model.register_forward_hook(self._forwarded)
+        if follow and self.followed is not model:
+            self.followed = model
+            model.register_forward_hook(self._forwarded)
 
     def _forwarded(self, module: nn.Module, args: Any, output: Any) -> None:
         self.announced = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)

@@ -114,8 +114,9 @@ class MicroSteps:
                 f"this step runs as {k} micro-batches (its share is above this worker's memory cap)")
 
     def _sync_next_forward(self, sync: bool) -> None:
-        if self.mean_over:  # DDP
-            self.model.require_backward_grad_sync = sync
+        if self.mean_over:  # DDP (nn.Module's __setattr__ costs every step: set only a change)
+            if self.model.require_backward_grad_sync is not sync:
+                self.model.require_backward_grad_sync = sync
         elif self.model is not None and sharded.is_sharded(self.model):
             sharded.set_gradient_sync(self.model, sync)
 

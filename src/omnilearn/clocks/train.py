@@ -60,7 +60,10 @@ class TrainClock:
 
     def step_ended(self) -> None:
         """Freeze the training time at a step's end (what a state taken between steps holds)."""
-        self.at_last_step_s = self.train_s()
+        if self.pause_began_s is None and self.start_s is not None:  # :meth:`train_s` inline: every step
+            self.at_last_step_s = self.offset_s + (time.perf_counter() - self.start_s) - self.paused_s
+        else:
+            self.at_last_step_s = self.train_s()
 
     def restore(self, train_s: float) -> None:
         """Continue from a saved training time (counting starts again at the next :meth:`start`)."""
