@@ -23,7 +23,7 @@ from torch import nn
 
 import omnilearn
 
-STEP_BUDGET = 34  # Python and C calls of a quiet step's ol.step() (31 on 2026-11-27, 37 before issue 33)
+STEP_BUDGET = 30  # Python and C calls of a quiet step's ol.step() (27 at the end of 2026-11-27, 31 earlier that day, 37 before issue 33)
 FETCH_BUDGET = 20  # calls the hand-out adds to a plain DataLoader's next() (the same data and batch; 15 at the last run of 2026-11-27, 5 at an earlier one, 28 before issue 33)
 
 
