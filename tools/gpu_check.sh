@@ -17,15 +17,18 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 echo "== tests/gpu"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
 echo "== HL1 breakdown, 1 GPU (the default job's model and batch; plain DDP and OmniLearn interleaved)"
-timeout 120 torchrun --standalone --nproc-per-node 1 tools/hl1_breakdown.py --device cuda --blocks 10 --steps 200 2>&1 \
+timeout 120 torchrun --standalone --nproc-per-node 1 tools/hl1_breakdown.py --device cuda --blocks 50 --steps 40 2>&1 \
     | grep -v '^step ' | tee "$OUT/hl1_cuda.log"
 if [ -d .gpu_before/src ]; then  # a baseline tree (git archive <commit> src | tar -x -C .gpu_before), same tool
     echo "== HL1 breakdown, 1 GPU, the baseline tree's omnilearn"
     PYTHONPATH=$PWD/.gpu_before/src${PYTHONPATH#$PWD/src} timeout 120 torchrun --standalone --nproc-per-node 1 \
-        tools/hl1_breakdown.py --device cuda --blocks 10 --steps 200 2>&1 | grep -v '^step ' | tee "$OUT/hl1_cuda_before.log"
+        tools/hl1_breakdown.py --device cuda --blocks 50 --steps 40 2>&1 | grep -v '^step ' | tee "$OUT/hl1_cuda_before.log"
 fi
+echo "== HL1 breakdown, 1 GPU, A/A control (both loops plain DDP: the ratio's own spread)"
+timeout 120 torchrun --standalone --nproc-per-node 1 tools/hl1_breakdown.py --device cuda --blocks 50 --steps 40 --aa 2>&1 \
+    | grep -v '^step ' | tee "$OUT/hl1_cuda_aa.log"
 echo "== HL1 breakdown, 1 GPU, meetings 10x rarer (control interval 150)"
-timeout 120 torchrun --standalone --nproc-per-node 1 tools/hl1_breakdown.py --device cuda --blocks 10 --steps 200 \
+timeout 120 torchrun --standalone --nproc-per-node 1 tools/hl1_breakdown.py --device cuda --blocks 50 --steps 40 \
     --control-interval 150 2>&1 | grep -v '^step ' | tee "$OUT/hl1_cuda_ci150.log"
 echo "== bench HL1, 1 GPU"
 [ -n "${SKIP_BENCH:-}" ] || timeout 150 python3 -m omnilearn bench --device cuda --workers 1 --speeds HL1 --arms uniform,model --repeats 4 \

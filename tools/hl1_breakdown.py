@@ -21,7 +21,9 @@ and the parts are host times.
 
 A benchmark, not a test: run it alone on the machine (``OMP_NUM_THREADS=1``: one core per rank).
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/hl1_breakdown.py --model mlp --blocks 12
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/hl1_breakdown.py --model mlp [--aa]
+
+``--aa``: the A/A control, both loops plain DDP (what the ratio reads with nothing to find: its own spread).
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ def profile(loop: Loop, steps: int, top: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=12, help="pairs of blocks (plain, OmniLearn), interleaved")
-    ap.add_argument("--steps", type=int, default=200, help="steps per block")
+    ap.add_argument("--blocks", type=int, default=100, help="pairs of blocks (plain, OmniLearn), interleaved "
+                    "(many short pairs: the median of 12 long ones moved by up to 7%% between two A/A runs here)")
+    ap.add_argument("--steps", type=int, default=30, help="steps per block")
     ap.add_argument("--model", default="cnn1d", help="cnn1d (the default job's) or mlp (tiny: mostly host time)")
     ap.add_argument("--global-batch", type=int, default=256)
     ap.add_argument("--control-interval", type=int, default=TrainConfig.control_interval,
