@@ -215,7 +215,7 @@ def session_state(s) -> dict[str, Any]:
     return {"format": FORMAT, "world_size": s.world_size, "global_batch": s.global_batch,
             "data": basis(s.plan), "steps_done": s.steps_done, "next_step": s.next_step,
             "train_s": s.clock.at_last_step_s,
-            "loop": s.loop.state_dict(), "schedule": s.schedule.state_dict(),
+            "loop": s.loop.state_dict(), "schedule": s.schedule.state_dict(), "checks": s.checks_on,
             "telemetry": s.telemetry.state_dict() if s.telemetry is not None else {},
             "variables": {"model": shapes(s.model.weights), "optimizer": shapes(s.optimizer.variables)}}
 
@@ -267,6 +267,7 @@ def load_session_state(s, state: dict[str, Any]) -> None:
     if int(state["world_size"]) == s.world_size:
         s.loop.load_state_dict(state["loop"])
         s.schedule.load_state_dict(state["schedule"])
+        s.checks_on = bool(state.get("checks", True))  # as the last interval left it (older states: on)
     s.steps_done, s.next_step = int(state["steps_done"]), int(state["next_step"])
     s.clock.restore(float(state["train_s"]))
     if s.telemetry is not None:

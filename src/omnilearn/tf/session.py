@@ -66,8 +66,8 @@ import tensorflow as tf
 from omnilearn.balance.loop import WINDOW_FIELDS
 from omnilearn.config import AUTO, BalanceConfig, ConfigError, api_wording
 from omnilearn.data.schedule import BatchSchedule, GlobalPlan
-from omnilearn.decisions import (CHECK, HEADER, INTERVAL, check, check_every, feed, make_loop, stop_asked, summarise,
-                                  table_row)
+from omnilearn.decisions import (CHECK, HEADER, INTERVAL, check, check_every, checks_pay, feed, interval_step_s,
+                                 make_loop, stop_asked, summarise, table_row)
 from omnilearn.emulation.delay import DelayEmulator
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.recorder import ROW_FIELDS, Telemetry
@@ -111,6 +111,7 @@ class TFSession:
         self.timer = StepClock(single_thread=tf.config.threading.get_intra_op_parallelism_threads() == 1)
         self.emulator = DelayEmulator(self.timer)
         self.check_every = check_every(cfg.control_interval)
+        self.checks_on = True  # whether the checks pay at the last interval's step time (decisions.checks_pay)
         width = HEADER + WINDOW_FIELDS + 1 + cfg.control_interval * len(ROW_FIELDS)
         self.gather = Gather(strategy, cluster.rank, cluster.world_size, width)
         self.clock = TrainClock()
@@ -256,7 +257,7 @@ class TFSession:
         interval = size == self.cfg.control_interval or step + 1 == self.run.total_steps
         if interval:
             self._end_window(step, INTERVAL)
-        elif self.check_every and size % self.check_every == 0:
+        elif self.check_every and self.checks_on and size % self.check_every == 0:
             self._end_window(step, CHECK)
         self.clock.step_ended()
         if interval and self.checkpoints is not None and self.checkpoints.due():
@@ -288,6 +289,7 @@ class TFSession:
         if kind == INTERVAL:
             decision = feed(self.loop, self.schedule, at, head, read_ahead=1)
             self.should_stop = self.should_stop or stop_asked(head)
+            self.checks_on = checks_pay(interval_step_s(head), self.check_every)  # as PyTorch's session
         else:
             decision = check(self.loop, self.schedule, at, head, read_ahead=1)
             if decision is None:
