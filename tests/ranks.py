@@ -44,3 +44,8 @@ def scripted_rank_results(fn: Callable[..., None], args: tuple, out: Path, nproc
         else:
             os.environ[SCRIPTED_ENV] = saved
     return [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(nprocs)]
+
+
+def max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative difference ``|a - b| / |b|`` over the tensors of ``b`` (two state dicts)."""
+    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)

@@ -6,10 +6,8 @@ calling thread's CPU time (``time.thread_time``: what that thread itself spent, 
 0's per-call and per-step microseconds, largest first. A window meeting starts at a window's last step
 (``_end_interval``, or ``_check`` at each third of the interval where checks pay for their meeting) and is read
 at the next (``_read_meeting``, which waits for the table and runs the control loop, ``_decide``: ``update`` at an
-interval's end, ``shifted`` at a check, and closes the window, ``_close_window``; its record, ``_write_window``).
-On CPU the decision and the record run earlier, in the next step's backward while its all-reduce is in flight
-(so ``_read_meeting``'s own share is small there). A profile, not a benchmark: wrapping adds a microsecond or so
-per call.
+interval's end, ``shifted`` at a check, and closes the window, ``_close_window``). A profile, not a benchmark:
+wrapping adds a microsecond or so per call.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/meeting_profile.py [--steps 3000]
 """
@@ -38,7 +36,7 @@ from omnilearn.observe.recorder import Telemetry  # noqa: E402
 
 PARTS = [(steppers.IntervalEnds, "_end_interval"), (steppers.IntervalEnds, "_check"),
          (steppers.IntervalEnds, "_read_meeting"), (steppers.IntervalEnds, "_decide"),
-         (steppers.IntervalEnds, "_close_window"), (steppers.IntervalEnds, "_write_window"), (interval.Meeting, "__init__"), (interval.Meeting, "table"),
+         (steppers.IntervalEnds, "_close_window"), (interval.Meeting, "__init__"), (interval.Meeting, "table"),
          (RowGathering, "__init__"), (ControlLoop, "update"), (ControlLoop, "shifted"), (Telemetry, "window"),
          (steps.StepLedger, "rows"), (RankRows, "add"), (Totals, "of_table")]
 

@@ -25,7 +25,7 @@ Run: ``python -m pytest -q tests/dist/test_accumulation.py`` (about a minute on 
 from __future__ import annotations
 
 import pytest
-from ranks import scripted_rank_results
+from ranks import max_relative, scripted_rank_results
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -73,10 +73,6 @@ def run(ol, model, loader, loss_fn, steps: int, counted: bool, change_at: int | 
                 break
 
 
-def close(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
-
-
 def _accumulation_worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
@@ -119,7 +115,7 @@ def test_three_heterogeneous_workers_accumulating_equal_one_process(three_worker
     assert all(sum(p) == 60 for p in plans)
     expected = reference(mlp(), PairData(), pair_loss, 60, 12)
     for r, got in enumerate(three_workers):
-        assert close(got["weights"], expected) < 1e-12, f"rank {r}: {close(got['weights'], expected):.2e}"
+        assert max_relative(got["weights"], expected) < 1e-12, f"rank {r}: {max_relative(got['weights'], expected):.2e}"
         assert got["before_sync"] == 12 * 3  # after both local backwards and in the hook, every step
 
 
@@ -135,13 +131,14 @@ EXACT_F64 = 1e-12  # float64 throughout (the hook's count weight is float64 too)
 def test_padded_token_loss_weighted_by_count_equals_one_process(three_workers):
     expected = reference(token_model(), TokenData(), token_loss, 60, 6)
     for r, got in enumerate(three_workers):
-        assert close(got["tokens"], expected) < EXACT_F64, f"rank {r}: {close(got['tokens'], expected):.2e}"
-        assert close(got["tokens_by_samples"], expected) > 1e-3  # weighting by samples is not the token mean
+        rel = max_relative(got["tokens"], expected)
+        assert rel < EXACT_F64, f"rank {r}: {rel:.2e}"
+        assert max_relative(got["tokens_by_samples"], expected) > 1e-3  # weighting by samples is not the token mean
     ol = omnilearn.setup(global_batch=60, accumulation_steps=3, min_batch=6, device="cpu",
                          handle_signals=False)  # one process: no hook
     model = ol.wrap_model(token_model())
     run(ol, model, ol.data_loader(TokenData()), token_loss, 6, True)
-    assert close({k: v.detach() for k, v in model.state_dict().items()}, expected) < EXACT_F64
+    assert max_relative({k: v.detach() for k, v in model.state_dict().items()}, expected) < EXACT_F64
 
 
 def test_micro_batch_misuse_is_an_error():

@@ -30,7 +30,7 @@ Run: ``python -m pytest -q tests/dist/test_fsdp.py`` (about a minute on 2 cores)
 from __future__ import annotations
 
 import pytest
-from ranks import start_ranks
+from ranks import max_relative, start_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -78,10 +78,6 @@ def token_loss(model, x, y):
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in model.state_dict().items()}
-
-
-def relative(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
 
 
 def train(ol, model, loader, loss_fn, steps: int, counted: bool = False, change_at: int | None = None,
@@ -188,15 +184,17 @@ def test_sharded_heterogeneous_ranks_accumulating_equal_one_process(exact):
     assert len(set(plans)) > 1 and all(sum(p) == 60 for p in plans)
     assert plans[6] != plans[5] and len(set(plans[5])) > 1  # unequal splits, changed mid-window
     expected = reference(mlp(), PairData(), pair_loss, 60, 12)
-    print(f"{world} ranks vs 1 process: {max(relative(got['weights'], expected) for got in results):.1e}")
+    print(f"{world} ranks vs 1 process: {max(max_relative(got['weights'], expected) for got in results):.1e}")
     for r, got in enumerate(results):
-        assert relative(got["weights"], expected) < EXACT_F64, f"rank {r}: {relative(got['weights'], expected):.2e}"
+        rel = max_relative(got["weights"], expected)
+        assert rel < EXACT_F64, f"rank {r}: {rel:.2e}"
 
 
 def test_sharded_token_loss_weighted_by_count_equals_one_process(exact):
     expected = reference(token_model(), TokenData(), token_loss, 60, 6)
     for r, got in enumerate(exact[1]):
-        assert relative(got["tokens"], expected) < EXACT_F64, f"rank {r}: {relative(got['tokens'], expected):.2e}"
+        rel = max_relative(got["tokens"], expected)
+        assert rel < EXACT_F64, f"rank {r}: {rel:.2e}"
 
 
 def test_a_capped_sharded_rank_stays_within_its_cap_and_the_world_size_average_is_wrong(exact):
@@ -206,8 +204,8 @@ def test_a_capped_sharded_rank_stays_within_its_cap_and_the_world_size_average_i
     plans = [tuple(p) for p in results[0]["capped_plans"]]
     assert max(p[0] for p in plans) == 12 and len(set(plans)) > 1, plans  # fastest, yet held at its cap
     expected = reference(mlp(), PairData(), pair_loss, 60, 8)
-    assert relative(results[2]["capped"], expected) < EXACT_F64
-    assert relative(results[0]["unweighted"], reference(mlp(), PairData(), pair_loss, 60, 6)) > 1e-3
+    assert max_relative(results[2]["capped"], expected) < EXACT_F64
+    assert max_relative(results[0]["unweighted"], reference(mlp(), PairData(), pair_loss, 60, 6)) > 1e-3
 
 
 # ------------------------------------------------------------ timing under an emulated slow rank
@@ -284,15 +282,15 @@ def test_a_sharded_checkpoint_resumes_at_the_same_and_at_another_world_size(tmp_
     assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step-")) == [
         "step-000000006.dcp", "step-000000006.json", "step-000000006.pt"]  # shards, manifest, session
     expected = reference(mlp(), PairData(), pair_loss, 60, 12, momentum=0.9)
-    assert relative(whole[0]["weights"], expected) < EXACT_F64
+    assert max_relative(whole[0]["weights"], expected) < EXACT_F64
     for world, speeds in ((2, "0.00025,0.0005"), (3, "0.00025,0.0005,0.001")):
         monkeypatch.setenv(SCRIPTED_ENV, speeds)
         (tmp_path / f"r{world}").mkdir()
         again = spawn(_checkpoint_worker, world, tmp_path / f"r{world}", str(directory), True)
         for r, got in enumerate(again):
             assert got["resumed"] and got["start"] == 6 and got["next_step"] == 12
-            assert relative(got["weights"], expected) < EXACT_F64, f"{world} ranks, rank {r}"
-            assert relative(got["weights"], whole[0]["weights"]) < EXACT_F64
+            assert max_relative(got["weights"], expected) < EXACT_F64, f"{world} ranks, rank {r}"
+            assert max_relative(got["weights"], whole[0]["weights"]) < EXACT_F64
 
 
 # ------------------------------------------------------------ mixed precision, and what is refused
@@ -358,8 +356,8 @@ def test_mixed_precision_trains_and_what_cannot_be_balanced_is_refused_in_one_li
     assert got["dtypes"] == ["torch.float32"]  # sharded parameters stay float32; bf16 only for compute
     torch.manual_seed(0)
     expected = reference(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), PairData(), pair_loss, 60, 12)
-    print(f"bf16 parameters, fp32 reduce vs float32: {relative(got['mixed'], expected):.1e}")
-    assert 1e-7 < relative(got["mixed"], expected) < 3e-2  # bf16 compute: close, not equal
+    print(f"bf16 parameters, fp32 reduce vs float32: {max_relative(got['mixed'], expected):.1e}")
+    assert 1e-7 < max_relative(got["mixed"], expected) < 3e-2  # bf16 compute: close, not equal
     for key, words in {"fsdp1": ["FSDP1 model (FullyShardedDataParallel)", "fully_shard"],
                        "ddp": ["already wrapped in DistributedDataParallel", "pass the plain module"],
                        "auto": ['max_batch="auto" is not supported with FSDP2', "max_batch=<samples>"],

@@ -49,12 +49,6 @@ replay of :meth:`BackwardMarks.on_output` when the wrapped model itself is
 compiled); the parameter hook and the engine callbacks run outside any
 graph (compiled autograd, which would trace them, is not supported).
 
-At the end-of-graph callback every bucket's all-reduce has been launched
-and DDP has not waited for them yet: ``on_launched()`` runs there, so host
-work the session has pending (a meeting's decision, on CPU:
-:meth:`omnilearn.bsp.session.Session._reductions_launched`) overlaps the
-reductions instead of adding to the step.
-
 ``torch.autograd.Variable._execution_engine.queue_callback`` is private
 (DDP and FSDP use it themselves); tests/unit/test_torch_private_names.py
 holds it to that.
@@ -115,21 +109,19 @@ class HookState:
     (:mod:`omnilearn.bsp.sharded`). ``output_scale``: ``n b_i / B`` for DDP's mean (None while ``ol.backward``
     runs: the loss is scaled already). ``weighted``: this step's gradient got its weight; ``unhooked``: the type
     of a syncing forward's output that held no tensor to hook. ``on_ready()`` / ``on_reduced(last)``: the
-    marks, ``on_launched()``: every reduction is in flight (module docstring); bound methods are held weakly.
+    marks (module docstring); bound methods are held weakly.
     """
 
     on_ready = _Callback()
     on_reduced = _Callback()
-    on_launched = _Callback()
 
     def __init__(self, process_group: Any = None, weight: Any = 1.0, on_ready: Callable[[], None] | None = None,
-                 on_reduced: Callable[[bool], None] | None = None,
-                 on_launched: Callable[[], None] | None = None) -> None:
+                 on_reduced: Callable[[bool], None] | None = None) -> None:
         self.process_group, self.weight = process_group, weight
         self.output_scale: float | None = None
         self.weighted = False
         self.unhooked: str | None = None
-        self.on_ready, self.on_reduced, self.on_launched = on_ready, on_reduced, on_launched
+        self.on_ready, self.on_reduced = on_ready, on_reduced
 
 
 def _grad_leaves(out) -> list[torch.Tensor]:
@@ -197,7 +189,6 @@ class BackwardMarks:
             self._learned()
         if self.armed:  # the learned parameter got no gradient this step (or this was the learning step)
             self._ready()
-        _call(self.state._on_launched)  # every bucket's reduction is in flight: host work here overlaps them
         Variable._execution_engine.queue_callback(self._reduced)  # runs after DDP's finalize_backward
 
     def _learned(self) -> None:

@@ -130,8 +130,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
         self.timer = StepTimer(ctx.device)
         self.emulation = Emulation(cfg, ctx, self.timer)
         self.emulator = self.emulation.delay
-        self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced,
-                              on_launched=self._reductions_launched if ctx.device.type == "cpu" else None)
+        self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced)
         self.loop = make_loop(cfg, ctx.world_size, total_steps)
         self.schedule = BatchSchedule(self.loop.batches)
         self.sampler = VariableBatchSampler(None, self.schedule, ctx.rank, total_steps, cfg.accumulation_steps)
@@ -274,7 +273,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
         step = self.ledger.report(batch, float("nan") if logged is None else logged, float("nan") if lr is None else lr)
         self.sampler.complete(step)
         self.steps_done, self.next_step = self.steps_done + 1, step + 1
-        self._read_meeting(flush=False)  # the previous step's meeting, if it had one (its collective is done by now)
+        self._read_meeting()  # the previous step's meeting, if it had one (its collective is done by now)
         size = self.ledger.window_size()
         if size == self.cfg.control_interval or step + 1 == self.run.total_steps:
             self._end_interval(step)

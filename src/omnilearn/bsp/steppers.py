@@ -9,18 +9,16 @@ attributes: ``cfg``, ``ctx``, ``loop``, ``schedule``, ``ledger``, ``micro``,
 - :class:`IntervalEnds`: the end of a control interval (one all-gather that
   also carries the step rows rank 0 totals, the decision, this rank's rows to
   its file, buffers, telemetry) and the mid-interval checks for a speed shift
-  (:mod:`omnilearn.bsp.interval`), held while the last interval's steps were too short for a check's meeting
-  to pay (:func:`~omnilearn.decisions.checks_pay`: a shift then waits for the interval's end); both carry this
-  rank's pending reducer
-  reset and, if any rank has one, make every rank reset DDP's reducer after
+  (:mod:`omnilearn.bsp.interval`), held while the last interval's steps were
+  too short for a check's meeting to pay (:func:`~omnilearn.decisions.checks_pay`:
+  a shift then waits for the interval's end); both carry this rank's pending
+  reducer reset and, if any rank has one, make every rank reset DDP's reducer after
   the same step (:class:`~omnilearn.bsp.memory.ReducerResets`).
 
 A meeting is read one step later. At the meeting's step ``s`` every rank
 starts the all-gather of its row and trains on; the table is read at the
 next ``step()`` (``s + 1``, when step ``s + 1``'s gradient all-reduce, issued
-after it on every rank, has already finished; on CPU it is decided earlier,
-inside step ``s + 1``'s backward while that all-reduce is in flight,
-:meth:`IntervalEnds._reductions_launched`), or earlier where every rank
+after it on every rank, has already finished), or earlier where every rank
 passes the same point: ``sync_buffers()``, ``save_checkpoint()``,
 ``state_dict()``, ``load_state_dict()``, ``finish()``. So the collective
 overlaps a step's compute instead of stopping every rank, which was the whole
@@ -47,7 +45,6 @@ from dataclasses import dataclass
 from omnilearn.bsp import memory, sharded
 from omnilearn.balance.controllers import Decision
 from omnilearn.bsp.interval import Meeting, window_meeting
-from omnilearn.bsp.wrap import marked
 from omnilearn.decisions import (CHECK, INTERVAL, check, checks_pay, feed, interval_step_s, reset_asked,
                                  stop_asked)
 from omnilearn.observe.rankrows import Totals
@@ -148,8 +145,6 @@ class IntervalEnds:
     """Window ends: at the interval's end, or at a check that sees a speed shift (see the module docstring)."""
 
     meeting: WindowRead | None = None
-    early_error: Exception | None = None  # the meeting's error when it was decided inside a backward
-    unwritten: tuple | None = None  # a closed window whose record is still to be written (:meth:`_write_window`)
 
     def _end_interval(self, step: int) -> None:
         rows = self.ledger.take_rows()
@@ -189,30 +184,8 @@ class IntervalEnds:
             check(self.loop, self.schedule, at, table, read_ahead=1)
         read.read = (table, decision)
 
-    def _reductions_launched(self) -> None:
-        """CPU, in the step's syncing backward once every gradient reduction is in flight (the host waits for them
-        next): write the last closed window's record and decide the meeting in flight now, so their host work
-        overlaps the reductions instead of adding to the step. The decision applies at the next ``step()`` as
-        before, and an error is raised there, not out of the backward (:mod:`omnilearn.bsp.backward`)."""
-        if self.early_error is not None:
-            return
-        try:
-            if self.unwritten is not None:
-                self._write_window()
-            read = self.meeting
-            if read is not None and read.read is None:
-                self._decide()
-        except Exception as e:  # noqa: BLE001  (raised by step(), where the user's loop expects the session's errors)
-            self.early_error = e
-
-    def _read_meeting(self, flush: bool = True) -> None:
-        """The meeting in flight, decided and applied: at the next ``step()`` (``flush`` False: its record may
-        wait for the next backward), or where every rank flushes it (the record written too)."""
-        error, self.early_error = self.early_error, None
-        if error is not None:
-            raise error
-        if self.unwritten is not None:
-            self._write_window()
+    def _read_meeting(self) -> None:
+        """The meeting in flight, decided and applied: at the next ``step()``, or where every rank flushes it."""
         read = self.meeting
         if read is None:
             return
@@ -228,25 +201,14 @@ class IntervalEnds:
         elif decision is not None:  # recorded: the window ends with the steps the check saw
             self.ledger.take_first(len(read.rows))
             self._close_window(at, decision, read)
-        if flush and self.unwritten is not None:
-            self._write_window()
 
     def _close_window(self, step: int, decision, read: WindowRead) -> None:
-        """After a decision: caps seen, buffers averaged; the window's record (:meth:`_write_window`) follows in
-        the next step's backward where the session has that moment (CPU), else now."""
+        """After a decision: caps seen, the window's rows to this rank's file, rank 0 totals every rank's (the
+        meeting carried them), buffers averaged, telemetry."""
         self._record_caps(step)
         self._warn_pinned()
-        self._average_buffers()
-        self.unwritten = (step, decision, read)
-        if self.hook.on_launched is None or not marked(self.model):  # no backward will call it: now
-            self._write_window()
-
-    def _write_window(self) -> None:
-        """The closed window's rows to this rank's file; rank 0 totals every rank's (the meeting carried them)
-        and records them with the decision (telemetry: the progress line, the events)."""
-        step, decision, read = self.unwritten
-        self.unwritten = None
         self.rank_rows.add(read.rows)
+        self._average_buffers()
         if self.telemetry is not None:
             totals = Totals.of_table(read.meeting.rows(), self.cfg.global_batch) if read.rows else None
             effective = decision.effective_step

@@ -117,11 +117,6 @@ class BalancedDDP(DDP):
             "steps K), iterate the K micro-batches the loader hands out per step and call ol.backward(loss) for each")
 
 
-def marked(model: nn.Module | None) -> bool:
-    """Whether ``model``'s syncing backwards call the session's marks (a wrapped model that holds its group)."""
-    return isinstance(model, BalancedDDP) and "marks" in model.__dict__
-
-
 def outer_ddp(model: DDP) -> DDP | None:
     """The other DDP whose forward is running ``model``'s (it wrapped ``model`` again), or None.
 
