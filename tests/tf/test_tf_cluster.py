@@ -6,6 +6,8 @@ Run: ``python -m pytest -q tests/tf/test_tf_cluster.py``
 from __future__ import annotations
 
 import json
+import random
+import socket
 import time
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from omnilearn.config import ConfigError
 from omnilearn.decisions import SCRIPTED_ENV, scripted_times
 from omnilearn.experiments.cli import main
-from omnilearn.tf.cluster import LOCAL_WORKERS_ENV, free_ports, from_env, local_config
+from omnilearn.tf.cluster import LOCAL_WORKERS_ENV, ephemeral_range, free_ports, from_env, local_config
 from omnilearn.tf.timing import StepClock
 
 
@@ -26,6 +28,24 @@ def test_local_configs_make_one_cluster_with_each_worker_its_index():
     assert clusters[1].workers == tuple(f"localhost:{p}" for p in ports)
     assert clusters[1].local_workers({}) == 3  # all on one host
     assert clusters[1].local_workers({LOCAL_WORKERS_ENV: "2"}) == 2
+
+
+def test_free_ports_are_bindable_distinct_and_outside_the_ephemeral_range(tmp_path):
+    """A port from bind(0) is ephemeral: closed again before TensorFlow binds it, an outgoing connection could
+    take it in between (a worker's "Could not start gRPC server"); the picked ones are outside that range."""
+    low, high = ephemeral_range()
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and not any(low <= p <= high for p in ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("localhost", port))  # still free: nothing was left holding it
+    first = free_ports(1, random.Random(7))[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("localhost", first))  # a listener holds the first draw: the same draws skip it
+        assert free_ports(1, random.Random(7))[0] != first
+    (tmp_path / "range").write_text("10000\t65000\n")
+    assert ephemeral_range(str(tmp_path / "range")) == (10000, 65000)
+    assert ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
 
 
 def test_no_tf_config_is_one_worker():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import threading
@@ -100,13 +101,43 @@ def local_config(ports: list[int], rank: int) -> str:
                        "task": {"type": "worker", "index": rank}})
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on localhost now (held open together while picked)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+PICK_RANGE = (20000, 32767)  # below Linux's default ephemeral range (32768-60999)
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The ports the kernel hands out to outgoing connections and ``bind(0)`` (Linux's default where unreadable)."""
     try:
-        for s in sockets:
-            s.bind(("localhost", 0))
-        return [s.getsockname()[1] for s in sockets]
+        low, high = (int(v) for v in open(path).read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(count: int, rng: random.Random | None = None) -> list[int]:
+    """``count`` distinct TCP ports free on localhost now (held open together while picked).
+
+    Picked outside the kernel's ephemeral range: a port from ``bind(0)`` is closed again before TensorFlow's
+    gRPC server binds it, and in between any process's outgoing connection (gloo's, another launch's) may be
+    given it ("Could not start gRPC server"). A port outside that range is only taken by a listener that names it.
+    """
+    low, high = ephemeral_range()
+    candidates = [p for p in range(*PICK_RANGE) if not low <= p <= high] or list(range(1024, low))
+    rng = rng or random.Random()
+    sockets: list[socket.socket] = []
+    try:
+        for port in rng.sample(candidates, min(len(candidates), 64 * count)):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("localhost", port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            if len(sockets) == count:
+                return [s.getsockname()[1] for s in sockets]
+        raise RuntimeError(f"no {count} free TCP ports on localhost in {PICK_RANGE[0]}-{PICK_RANGE[1]} outside the "
+                           f"ephemeral range {low}-{high}")
     finally:
         for s in sockets:
             s.close()
