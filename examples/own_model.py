@@ -3,11 +3,13 @@
     torchrun --standalone --nproc-per-node 2 examples/own_model.py --speeds 3,1
     torchrun --standalone --nproc-per-node 2 examples/own_model.py --accumulation-steps 4
     python examples/own_model.py                # one process, no process group
+    torchrun --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --max-restarts 3 \
+        --nproc-per-node 2 examples/own_model.py --checkpoint-dir /shared/ckpt   # nodes may come and go
 
 A plain DDP script differs in the lines marked ``# OmniLearn``: set-up,
 the device, model wrapping, the data loader, the backward call, one call
 per step, an optional evaluation record, the summary and the close.
-OmniLearn lines: 10.
+OmniLearn lines: 14.
 Model, dataset, loss, optimizer and LR schedule are ordinary PyTorch.
 ``--speeds 3,1`` emulates a worker three times slower than the other, so the
 controller has something to balance: watch the "rebalance" lines.
@@ -17,6 +19,14 @@ the batch of one optimizer step; each worker trains its share as K
 micro-batches (the loader hands out the K of a step together), and
 ``ol.backward(loss)`` weights each exactly and lets DDP synchronise only on
 the last. Use it instead of ``model.no_sync()``, which OmniLearn refuses.
+
+Restarts (``--checkpoint-dir DIR``, on storage every node sees): the script
+resumes from the newest checkpoint in DIR, saves one every
+``--checkpoint-every`` steps, and when a worker or a whole node dies the
+survivors save the step in flight's start there before torchrun's agent
+restarts them (docs/failures.md, "A crash costs one step"): the job goes on
+at the new worker count, one step lost. Recipes: examples/slurm/,
+examples/kubernetes/.
 """
 
 from __future__ import annotations
@@ -75,6 +85,8 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--out", default=None, help="write a run directory here (metrics, summary, plots input)")
+    p.add_argument("--checkpoint-dir", default=None, help="resume from / save checkpoints here (shared storage)")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints (default 200)")
     args = p.parse_args()
 
     ol = omnilearn.setup(global_batch=args.global_batch, speeds=args.speeds, control_interval=10,  # OmniLearn
@@ -86,8 +98,12 @@ def main() -> None:
     loader = ol.data_loader(train)  # OmniLearn: instead of DataLoader(train, sampler=DistributedSampler(...))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
+    saved = dict(model=model, optimizer=optimizer, scheduler=schedule)
+    if args.checkpoint_dir:
+        ol.load_checkpoint(args.checkpoint_dir, **saved)  # OmniLearn: the newest checkpoint, at any worker count
 
-    for epoch in range(args.epochs):
+    for epoch in range(ol.epoch, args.epochs):  # OmniLearn: a resumed run starts at its checkpoint's epoch
+        loader.set_epoch(epoch)
         for batch in loader:
             micro_batches = batch if args.accumulation_steps > 1 else [batch]  # K micro-batches, or the batch
             optimizer.zero_grad()
@@ -97,6 +113,8 @@ def main() -> None:
             optimizer.step()
             schedule.step()
             ol.step()  # OmniLearn: times the step; every 10 steps the controller may move batches
+            if args.checkpoint_dir and ol.next_step % args.checkpoint_every == 0:  # OmniLearn: periodic save
+                ol.save_checkpoint(args.checkpoint_dir, **saved)  # OmniLearn
         test_loss, acc = evaluate(model, test, device)
         ol.log_eval(test_loss, acc, epoch)  # OmniLearn: optional, the accuracy goes into the run directory
 

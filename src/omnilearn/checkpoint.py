@@ -47,12 +47,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -118,11 +119,13 @@ class CheckpointStore:
             return []
         return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name)))
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None, prune: bool = True,
+             after_parts: Callable[[], object] | None = None) -> Path:
         """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step); keep the newest K.
 
         A value ``torch.load(weights_only=True)`` would refuse is a :class:`CheckpointError` before anything is written.
-        The sequence is :func:`commit`'s: the ``.pt``, then its manifest (the mark), then :meth:`prune`.
+        The sequence is :func:`commit`'s: the ``.pt``, then its manifest (the mark), then :meth:`prune` (not with
+        ``prune=False``: another writer may be mid-save in the directory).
         """
         refused = first_refused(state)
         if refused is not None:
@@ -138,8 +141,35 @@ class CheckpointStore:
             return (json.dumps({"format": FORMAT, "step": int(step), "sha256": hashlib.sha256(data).hexdigest(),
                                 "bytes": len(data), "saved_at": time.time(), "meta": meta or {}}, indent=1) + "\n").encode()
 
-        commit(path.with_suffix(".json"), lambda: write_atomic(path, lambda f: f.write(data)), manifest, self.prune)
+        def parts() -> None:
+            write_atomic(path, lambda f: f.write(data))
+            if after_parts is not None:  # fault injection (tests): between the .pt and its mark
+                after_parts()
+
+        commit(path.with_suffix(".json"), parts, manifest, self.prune if prune else None)
         return path
+
+    def save_once(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None,
+                  after_parts: Callable[[], object] | None = None) -> Path | None:
+        """A survivor's save after a lost peer: the checkpoint of ``step``, unless one is complete already or another
+        process claimed it (then None). Survivors cannot talk to each other, so the claim, ``.step-<n>.claim``
+        created with ``O_EXCL``, makes one of them the writer of a step; it goes once the checkpoint is complete.
+        Nothing is pruned or swept (another survivor may be writing another step here): the next ordinary save
+        does it, claims left by a writer killed mid-save included (its ``.pt`` without a manifest never counts)."""
+        if step in self.steps():
+            return None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        claim = self.dir / f".step-{step:09d}.claim"
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.close(fd)
+            return self.save(step, state, meta, prune=False, after_parts=after_parts)
+        finally:
+            claim.unlink(missing_ok=True)
 
     def prune(self) -> None:
         """Delete all but the newest ``keep`` checkpoints (their companion directories too), and what cut writes
@@ -168,7 +198,7 @@ class CheckpointStore:
         kept = {self.path(step).name for step in done}
         for p in self.dir.iterdir():
             cut_pt = _PT.match(p.name) is not None and p.name not in kept
-            if cut_pt or (p.name.startswith(".step-") and p.name.endswith(".tmp")):
+            if cut_pt or (p.name.startswith(".step-") and p.name.endswith((".tmp", ".claim"))):
                 p.unlink(missing_ok=True)
         for part in self.companions():
             if int(_COMPANION.match(part.name).group(1)) not in done:

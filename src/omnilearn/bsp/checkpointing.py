@@ -75,12 +75,12 @@ def from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def _unwrapped(session: Session, obj: Any) -> Any:
+def unwrapped(session: Session, obj: Any) -> Any:
     """The user's model rather than its DDP wrapper (same parameters; keys without ``module.``)."""
     return session.module if obj is session.model and session.model is not None else obj
 
 
-def _cpu(state: dict) -> dict:
+def cpu(state: dict) -> dict:
     return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
@@ -96,8 +96,8 @@ def save(session: Session, directory: str | Path, objects: dict[str, Any], *, ke
             full: dict[str, Any] = {"session": state, "extra": extra or {}}
             for name, obj in objects.items():
                 if obj is not None:
-                    obj = _unwrapped(session, obj)
-                    full[name] = _cpu(obj.state_dict()) if name == "model" else obj.state_dict()
+                    obj = unwrapped(session, obj)
+                    full[name] = cpu(obj.state_dict()) if name == "model" else obj.state_dict()
             info = {"workers": session.world_size, "global_batch": session.global_batch, **(meta or {})}
             path = CheckpointStore(directory, keep).save(session.next_step, full, info)
         except CheckpointError as e:  # a value that would not load back: it names the field
@@ -191,14 +191,15 @@ def _apply(session: Session, state: dict, objects: dict[str, Any]) -> dict:
             continue
         if name not in state:
             raise CheckpointError(f"the checkpoint holds no {name} state (saved without {name}=); load without it")
-        _unwrapped(session, obj).load_state_dict(state[name])
+        unwrapped(session, obj).load_state_dict(state[name])
     session.load_state_dict(state["session"])
     return state.get("extra", {})
 
 
-def session_state(session: Session) -> dict:
-    """The session's ``state_dict``: plain values and tensors; this rank's own part under ``rank<r>``."""
-    mine = {"rng": rng_state(session.device), "window": [list(r) for r in session.ledger.rows()]}
+def session_state(session: Session, rows: bool = True) -> dict:
+    """The session's ``state_dict``: plain values and tensors; this rank's own part under ``rank<r>``
+    (``rows=False``: without the open window's rows, so every rank of a resume starts the same window)."""
+    mine = {"rng": rng_state(session.device), "window": [list(r) for r in session.ledger.rows()] if rows else []}
     loader_rng = loader_generator_state(session)
     if loader_rng is not None:
         mine["loader_generator"] = loader_rng

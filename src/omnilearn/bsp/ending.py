@@ -17,10 +17,11 @@ import sys
 
 import torch
 
-from omnilearn.bsp import sharded
+from omnilearn.bsp import rescue, sharded
 from omnilearn.bsp.interval import SYNC_BUFFERS, meet
 from omnilearn.distributed import group
 from omnilearn.distributed.collect import average_buffers, gather_to_main
+from omnilearn.distributed.lost import peer_lost
 from omnilearn.observe.modelfile import saver
 
 
@@ -54,8 +55,9 @@ class Ending:
         After this rank failed (:meth:`_fail`; e.g. ``finish()`` in a ``finally:``) only :meth:`release`: the
         peers are gone, and a collective would wait for them. Called while an out-of-memory error propagates
         (a ``finally:`` after one in the user's own code), that error is this rank's failure too."""
-        if self.failed is None and isinstance(sys.exc_info()[1], torch.OutOfMemoryError):
-            self._fail(sys.exc_info()[1])
+        propagating = sys.exc_info()[1]
+        if self.failed is None and (isinstance(propagating, torch.OutOfMemoryError) or peer_lost(propagating)):
+            self._fail(propagating)
         if self.failed is not None:
             self.release()
             return None
@@ -80,7 +82,12 @@ class Ending:
 
     def release(self) -> None:
         """Give back OS throttles and end the loader's worker processes (idempotent); never hides the run's own
-        outcome. ``finish()`` and ``close()`` call it; a loop left early calls it to let go at once."""
+        outcome. ``finish()`` and ``close()`` call it; a loop left early calls it to let go at once. While a lost
+        peer's error propagates (a ``finally:``), this rank saves the last completed step first."""
+        propagating = sys.exc_info()[1]
+        if self.failed is None and peer_lost(propagating):
+            self._fail(propagating)
+        rescue.unguard(self)
         self.meeting = None  # a meeting in flight is not read: the peers may be gone
         if self.failures is not None:
             self.failures.stop()
@@ -104,12 +111,22 @@ class Ending:
             group.destroy()
             return
         if self.ctx.grouped:
-            group.barrier()
+            try:
+                group.barrier()
+            except RuntimeError as e:
+                if peer_lost(e):
+                    self._fail(e)
+                    group.destroy()
+                raise
         group.destroy(wait_s=3.0)  # every rank passed the barrier: wait until every rank has torn down
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, own: bool = False) -> None:
         """This rank alone failed with ``error`` (its peers wait for it in a collective): announce it, so every
         peer ends within a second or so naming this rank (:mod:`omnilearn.distributed.failures`); then re-raise.
-        ``finish()`` and ``close()`` skip their collectives after it. Nothing to tell without peers."""
-        if self.failures is not None:
+        ``finish()`` and ``close()`` skip their collectives after it. Nothing to tell without peers. A collective
+        that failed because a peer is gone (not ``own``) is no failure of this rank: it saves the last completed
+        step instead (:mod:`omnilearn.bsp.rescue`), and skips those collectives too."""
+        if not own and peer_lost(error):
+            self.failed = self._lost(error)
+        elif self.failures is not None:
             self.failed = self.failures.announce(error)

@@ -70,6 +70,8 @@ class Persistence:
         anything is written.
         """
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        if model is not None:
+            self.save_on_failure(directory, **objects)
         self._read_meeting()  # the checkpoint holds its outcome, whenever a run without it would read it
         try:
             with self.paused():
@@ -96,6 +98,8 @@ class Persistence:
         :attr:`checkpoint_extra`.
         """
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        if model is not None:
+            self.save_on_failure(directory, **objects)
         extra = checkpointing.load(self, directory, objects)  # FSDP2: from the shards (DCP reshards)
         self.checkpoint_extra = extra or {}
         return extra is not None

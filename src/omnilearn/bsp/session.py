@@ -97,6 +97,7 @@ from omnilearn.bsp.interval import check_same_settings
 from omnilearn.bsp import memory, sharded
 from omnilearn.bsp.micro import MicroSteps
 from omnilearn.bsp.persist import Persistence
+from omnilearn.bsp.rescue import Rescue
 from omnilearn.bsp.rng import seed_rank
 from omnilearn.bsp.sources import DataSources
 from omnilearn.bsp.steppers import IntervalEnds, MemorySteps
@@ -110,13 +111,14 @@ from omnilearn.data.plan import BatchSchedule, VariableBatchSampler
 from omnilearn.data.windows import IndexStream
 from omnilearn.decisions import check_every, make_loop
 from omnilearn.distributed import failures, group
+from omnilearn.distributed.lost import peer_lost
 from omnilearn.distributed.collect import sum_tensor
 from omnilearn.observe.rankrows import RankRows
 from omnilearn.observe.recorder import Telemetry
 from omnilearn.runplan import RunPlan
 
 
-class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
+class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescue):
     """One rank's view of a balanced run: wraps the model, serves the batches, runs the control loop."""
 
     def __init__(self, cfg: BalanceConfig, ctx: group.DistContext, run_dir: Path | None = None,
@@ -251,8 +253,10 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds):
             raise RuntimeError("backward() without a batch: call it for a batch the loader handed out")
         try:
             self.micro.backward(loss, count)
-        except torch.OutOfMemoryError as e:  # this rank's alone: its peers wait in the step's collective
-            self._fail(e)
+        except RuntimeError as e:  # OOM: this rank's alone (its peers wait in the step's collective); a lost peer:
+            own = isinstance(e, torch.OutOfMemoryError)  # this rank saves the last step (omnilearn.bsp.rescue)
+            if own or peer_lost(e):
+                self._fail(e, own=own)
             raise
 
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None) -> None:

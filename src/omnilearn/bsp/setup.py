@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any
 
 from omnilearn import stopping
+from omnilearn.bsp import rescue
 from omnilearn.bsp.session import Session
 from omnilearn.config import BalanceConfig, ConfigError, api_wording, dump_toml
 from omnilearn.distributed import group
@@ -46,6 +47,8 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
         raise ConfigError(api_wording(str(e), KEYWORDS)) from None
     if handle_signals:
         stopping.handle_for_run(session.world_size, session.is_main, "omnilearn.setup()")
+    if session.world_size > 1:
+        rescue.guard(session)  # a lost peer's error leaving the script: this rank saves the last step first
     return session
 
 

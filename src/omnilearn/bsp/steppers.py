@@ -47,6 +47,7 @@ from omnilearn.balance.controllers import Decision
 from omnilearn.bsp.interval import Meeting, window_meeting
 from omnilearn.decisions import (CHECK, INTERVAL, check, checks_pay, feed, interval_step_s, reset_asked,
                                  stop_asked)
+from omnilearn.distributed.lost import peer_lost
 from omnilearn.observe.rankrows import Totals
 from omnilearn.stopping import stop_requested
 
@@ -176,8 +177,10 @@ class IntervalEnds:
         self.schedule.hold(None)
         try:
             table = read.meeting.table()
-        except RuntimeError:
+        except RuntimeError as e:
             self.meeting = None
+            if peer_lost(e):
+                self._lost(e)
             raise
         at = read.step + 1  # a change lands from at + 1 + lag on, after every step any rank can have sampled
         decision = feed(self.loop, self.schedule, at, table, read_ahead=1) if read.kind == INTERVAL else \

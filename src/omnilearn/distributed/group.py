@@ -10,10 +10,11 @@ reason: with torchrun's static rendezvous (``--nnodes N``, no
 ``--rdzv-backend``) the agent's TCPStore outlives a restart, and a
 restarted gloo group read the previous attempt's peer addresses from it
 and failed in ``connectFullMesh`` ("Connection refused"; torch 2.13, also
-with a plain gloo script). Every attempt now keys its group under
-``omnilearn/restart-<TORCHELASTIC_RESTART_COUNT>/`` (a ``PrefixStore``), so
-no attempt reads another's keys. The c10d rendezvous (``--rdzv-backend
-c10d``, ``--standalone``) was never affected; both are tested.
+with a plain gloo script). The c10d rendezvous shares one store across its
+rounds too (torch 2.4 on), and there the workers of one round can hold
+different restart counts. Every round now keys its group under an id its
+ranks agree on through the store (:mod:`omnilearn.distributed.rounds`), so
+no round reads another's keys; both rendezvous are tested.
 
 Teardown has one way out, :func:`destroy` (``Session.close()``, the
 launcher, and at exit for a group still up): holders of the group let go
@@ -43,6 +44,8 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from omnilearn.distributed.rounds import round_store
 
 
 @dataclass(frozen=True)
@@ -146,28 +149,28 @@ def init_from_torchrun(device_preference: str, timeout_s: float, backend: str | 
         raise RuntimeError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: launch with torchrun, "
                            "or set the rendezvous address of rank 0")
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-    return init(
-        rank,
-        world_size,
-        int(env.get("LOCAL_RANK", 0)),
-        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-        device_preference,
-        timeout_s,
-        backend=backend,
-        store=attempt_store(rank, world_size, timeout_s),
-    )
+    with round_store(attempt_store(rank, world_size, timeout_s), rank, world_size) as store:
+        return init(
+            rank,
+            world_size,
+            int(env.get("LOCAL_RANK", 0)),
+            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            device_preference,
+            timeout_s,
+            backend=backend,
+            store=store,
+        )
 
 
 def attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
-    """The rendezvous store of ``MASTER_ADDR:MASTER_PORT``, keyed by this torchrun attempt.
+    """The rendezvous store of ``MASTER_ADDR:MASTER_PORT`` (keyed per round by :func:`~omnilearn.distributed.rounds.round_store`).
 
     torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``), else rank 0 does.
     """
     env = os.environ
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=not agent and rank == 0,
-                          timeout=timedelta(seconds=timeout_s), multi_tenant=not agent)
-    return dist.PrefixStore(f"omnilearn/restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=not agent and rank == 0,
+                         timeout=timedelta(seconds=timeout_s), multi_tenant=not agent)
 
 
 def single_process(device_preference: str) -> DistContext:

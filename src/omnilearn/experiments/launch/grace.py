@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 from omnilearn.tomlfile import loads
 
 FLOOR_S = 8.0  # start-up, a fast run's interval end, a small save: the old fixed grace
+FAILURE_FLOOR_S = 5.0  # after a failure: a small checkpoint's save, with room for a loaded machine
 SAVE_SAFETY = 3.0  # this save may take this many times the last one (a slower disk, a bigger checkpoint)
 CAP_S = 600.0  # one grace never beyond this
 TOTAL_CAP_S = 1800.0  # nor the whole wait, however the workers progress
@@ -64,6 +65,12 @@ def grace_s(pace: Pace) -> float:
     steps = (pace.interval or DEFAULT_INTERVAL) + 1
     wait_s = FLOOR_S + steps * (pace.step_s or 0.0) + SAVE_SAFETY * (pace.save_s or 0.0)
     return min(CAP_S, wait_s) if math.isfinite(wait_s) else CAP_S
+
+
+def rescue_grace_s(pace: Pace) -> float:
+    """After a worker died: how long its peers get to save the last completed step (:mod:`omnilearn.bsp.rescue`)
+    before they are SIGKILLed. They exit as soon as they saved; the grace only bounds a survivor that hangs."""
+    return min(CAP_S, FAILURE_FLOOR_S + SAVE_SAFETY * (pace.save_s or 0.0))
 
 
 def _tail_records(path: Path) -> list[dict]:
@@ -186,6 +193,11 @@ class StopWait:
         self._seen = seen
         last = read_pace(run_dir, self.interval).last_step
         return self._limit_step is None or last is None or last <= self._limit_step
+
+    def failure_grace_s(self) -> float:
+        """The survivors' time to save after a worker died (:func:`rescue_grace_s`, from the pace read now)."""
+        run_dir = self._run_dir()
+        return rescue_grace_s(read_pace(run_dir, self.interval) if run_dir is not None else Pace())
 
     def why(self) -> str:
         """How the kill came, for the launcher's message."""

@@ -19,7 +19,8 @@ What an exit means (:class:`Rules`):
 
 - BSP: every rank is needed at every step. One that fails, dies or exits
   badly fails the run: the others (stuck in a collective with it) get
-  SIGTERM, :data:`FAILURE_GRACE_S`, SIGKILL; :class:`WorkerFailed` names the
+  SIGTERM, time to save the last completed step (:mod:`omnilearn.bsp.rescue`;
+  :func:`~omnilearn.experiments.launch.grace.rescue_grace_s`), SIGKILL; :class:`WorkerFailed` names the
   cause (:func:`blame`). One stopped by a signal sent to it (not to the
   launcher) lets the others stop too: :class:`Interrupted`.
 - ASP: only the parameter server (rank 0) is needed. A worker that exits,
@@ -82,7 +83,8 @@ from omnilearn.experiments.launch import freshchild
 from omnilearn.experiments.launch.grace import StopWait
 from omnilearn.distributed.watchdog import SERVER, ErrorLog, hung_rank, rank_name, read_error_log, read_error_logs
 
-FAILURE_GRACE_S = 2.0  # after a rank failed: its peers are stuck in collectives with it (ASP: lost the server)
+FAILURE_GRACE_S = 2.0  # ASP, after the server failed: its workers are stuck in exchanges with it
+# (BSP: the survivors save the last completed step first: grace.rescue_grace_s)
 SERVED_GRACE_S = 10.0  # ASP: after the server finished, its workers (told to stop) have this long to end
 CONSEQUENCE_S = 1.0  # peers' errors written this soon before a dead rank was seen are caused by it
 POLL_S = 0.1
@@ -360,7 +362,8 @@ def supervise(workers: Workers, trap: SignalTrap, rules: Rules,
                 workers.stopping = True
                 stop_wait.begin()
             elif meaning == FAILED and failed is None and interrupted is None:
-                failed, deadline = e, workers.ask_to_stop(FAILURE_GRACE_S)
+                grace = stop_wait.failure_grace_s() if rules.mode == "bsp" else FAILURE_GRACE_S
+                failed, deadline = e, workers.ask_to_stop(grace)
             elif meaning == SERVED:  # its live workers were told to stop; a dropped one may hang
                 deadline = min(deadline, time.monotonic() + SERVED_GRACE_S)
         if trap.received and interrupted is None and failed is None:

@@ -1,0 +1,135 @@
+"""A crash costs one step: when a peer dies, every survivor can save the last completed step, alone.
+
+Why it is sound. In data parallelism every rank holds the whole model and
+optimizer state, identical after every step (DDP averages the gradients
+before the update). A peer that dies makes the survivors' next collective
+fail (:mod:`omnilearn.distributed.lost`): in a step's backward (gradient
+all-reduce: the parameters and the optimizer are still those after the last
+completed step) or in ``ol.step()``'s meeting (after ``optimizer.step()``:
+the session counted that step first, so its state and the model agree). So
+each survivor holds a complete, consistent checkpoint of ``ol.next_step``,
+and the samples of a step do not depend on the worker count: a restart at
+any count from it learns what the uninterrupted run learns. Two survivors
+may stand one step apart (one finished the all-reduce the dead peer had
+joined, one did not): both states are exact, each saves its own step and
+the restart takes the newest.
+
+Who writes what, when. No collective (the group is broken) and no store
+(its host may be the dead rank): each survivor, in the thread that saw the
+error, takes the session's state with its own part only (its random
+streams; the open window's rows are dropped, so every rank of the restart
+starts the same window) and the model, optimizer and LR scheduler given to
+:meth:`Rescue.save_on_failure` (or to the last ``load_checkpoint`` /
+``save_checkpoint``), and writes them with
+:meth:`~omnilearn.checkpoint.CheckpointStore.save_once`: one writer per step
+(an ``O_EXCL`` claim), atomic (the ``.pt``, then its manifest), nothing
+pruned. The manifest's ``meta["rescue"]`` says which rank saved it, why,
+and when it saw the error. The survivor then prints one line and raises on;
+its exit closes its sockets, so a survivor that waited only on it fails in
+turn and saves (or finds the step saved). Ranks of the restart that were not
+the saver get random streams seeded from ``(seed, rank)``, as in an elastic
+resume. A run that never said where to save prints that nothing was saved.
+
+Where the error is seen: ``run_step``, ``ol.backward``, the meeting's read
+(``ol.step()``, a loader reading ahead, ``sync_buffers``, ``save_checkpoint``),
+``finish()`` and ``close()`` (also in a ``finally:`` while the error
+propagates), and, for a plain ``loss.backward()`` whose error leaves the
+script, ``sys.excepthook`` (installed by ``omnilearn.setup()``, chained).
+SIGTERM from a launcher or torchrun's agent meanwhile only sets the stop
+flag (``handle_signals=True``), so the save finishes; the launcher allows it
+(``omnilearn train``: the failure grace covers a save; torchrun: 30 s).
+
+Not rescued: FSDP2 (each rank holds a shard; the survivors' shards are not
+the model): one line names the last checkpoint the restart will use. A hung
+peer (a timeout, the watchdog): the step boundary is not known.
+
+Run: ``python -m pytest -q tests/unit/test_rescue.py tests/faults/test_rescue.py``
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+from omnilearn.bsp import checkpointing, sharded
+from omnilearn.checkpoint import CheckpointStore
+from omnilearn.distributed.lost import first_line, peer_lost
+
+_GUARDED: "weakref.WeakSet[Rescue]" = weakref.WeakSet()  # the sessions sys.excepthook rescues
+
+
+class Rescue:
+    """``save_on_failure`` and the survivors' save (see the module docstring); a mixin of the Session."""
+
+    rescue_to: tuple[Path, dict[str, Any]] | None = None  # (directory, the objects) to save when a peer is lost
+    rescued: str | None = None  # the line said, once a peer was lost
+
+    def save_on_failure(self, directory: str | Path, *, model=None, optimizer=None, scheduler=None) -> None:
+        """Where, and what, this rank saves if a peer dies: ``directory`` (a checkpoint directory, the one
+        ``load_checkpoint`` resumes from) and the objects, as :meth:`save_checkpoint` takes them.
+        ``load_checkpoint`` and ``save_checkpoint`` set it too, so a script that resumes is covered."""
+        self.rescue_to = (Path(directory), {"model": model, "optimizer": optimizer, "scheduler": scheduler})
+
+    def _lost(self, error: BaseException) -> str:
+        """A peer is gone (``error``): save the last completed step, once; the line said (also on stderr)."""
+        if self.rescued is None:
+            seen = time.time()
+            self.rescued = f"omnilearn: rank {self.rank} lost a peer at step {self.next_step} ({first_line(error)}); " \
+                           + self._save_rescue(seen)
+            print(self.rescued, file=sys.stderr, flush=True)
+        return self.rescued
+
+    def _save_rescue(self, seen: float) -> str:
+        if self.rescue_to is None or self.rescue_to[1].get("model") is None:
+            return ("nothing was saved: call ol.save_on_failure(directory, model=..., optimizer=..., scheduler=...) "
+                    "or ol.load_checkpoint(...) first, and survivors save the last completed step")
+        directory, objects = self.rescue_to
+        store = CheckpointStore(directory)
+        if sharded.is_sharded(objects["model"]):
+            done = store.steps()
+            return (f"FSDP2's state is sharded across the ranks, so survivors cannot save it: a restart resumes from "
+                    f"the last checkpoint in {directory} ({f'step {done[-1]}' if done else 'none yet'})")
+        step = self.next_step
+        full: dict[str, Any] = {"session": checkpointing.session_state(self, rows=False), "extra": {}}
+        for name, obj in objects.items():
+            if obj is not None:
+                obj = checkpointing.unwrapped(self, obj)
+                full[name] = checkpointing.cpu(obj.state_dict()) if name == "model" else obj.state_dict()
+        meta = {"workers": self.world_size, "global_batch": self.global_batch,
+                "rescue": {"rank": self.rank, "seen_at": seen, "step": step}}
+        path = store.save_once(step, full, meta, after_parts=_fault)
+        if path is None:
+            return f"the checkpoint of step {step} in {directory} is saved by another survivor"
+        return f"saved the checkpoint of step {step} in {time.time() - seen:.2f} s to {path}: a restart resumes there"
+
+
+def _fault() -> None:
+    """Fault injection for tests: ``OMNILEARN_FAULT_RESCUE=kill`` SIGKILLs the survivor between its ``.pt`` and
+    the manifest (a kill during the survivors' save). Unset (always, outside tests): one environment lookup."""
+    if os.environ.get("OMNILEARN_FAULT_RESCUE") == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def guard(session: Rescue) -> None:
+    """Rescue ``session`` when a lost peer's error leaves the script uncaught (``sys.excepthook``, chained)."""
+    _GUARDED.add(session)
+    if sys.excepthook is not _excepthook:
+        _excepthook.previous = sys.excepthook  # type: ignore[attr-defined]
+        sys.excepthook = _excepthook
+
+
+def unguard(session: Rescue) -> None:
+    """``session`` is done (released): no longer rescued by the hook."""
+    _GUARDED.discard(session)
+
+
+def _excepthook(kind, value, traceback) -> None:
+    if peer_lost(value):
+        for session in list(_GUARDED):
+            session._lost(value)
+    getattr(_excepthook, "previous", sys.__excepthook__)(kind, value, traceback)

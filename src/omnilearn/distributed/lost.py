@@ -1,0 +1,54 @@
+"""A collective that failed because a peer process is gone, told apart from this rank's own errors.
+
+When a peer dies (SIGKILL, the OOM killer, a lost machine whose kernel
+still answers), its sockets close and gloo raises in every survivor whose
+collective talks to it, within milliseconds (measured: 28 ms on one host),
+a ``RuntimeError`` such as ``[.../gloo/transport/tcp/pair.cc:537] Read
+error [127.0.0.1]:22181: Connection reset by peer``. A survivor that waits
+only on another survivor hears it when that one exits after its own rescue
+(:mod:`omnilearn.bsp.rescue`): its sockets close in turn. NCCL says
+``remote process exited`` or reports a remote error when it notices.
+
+Only these count as a lost peer. A timeout does not: a peer that is slow,
+hung or calling another collective (a loop that skipped ``step()``) also
+times out, and its state is not known to be at a step boundary; the
+heartbeat watchdog names a hung peer (:mod:`omnilearn.distributed.watchdog`).
+An error of this rank alone (out of memory, bad data) is announced to the
+peers instead (:mod:`omnilearn.distributed.failures`).
+
+No torch here. Run: ``python -m pytest -q tests/unit/test_rescue.py``
+"""
+
+from __future__ import annotations
+
+import re
+
+# gloo's transport errors when the other end is gone; NCCL's remote-failure wording
+_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused"
+                   r"|remote process exited|ncclRemoteError|NCCL communicator was aborted", re.IGNORECASE)
+_WHERE = re.compile(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
+_ADVICE = re.compile(r"\. This is typically")  # gloo's advice after the cause
+
+
+class PeerLost(RuntimeError):
+    """A peer process of this run is gone; this rank saved what it could (its message says where)."""
+
+
+def peer_lost(error: BaseException | None) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a collective failing because a peer is gone."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, PeerLost):
+            return True
+        if isinstance(error, RuntimeError) and _LOST.search(str(error)):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def first_line(error: BaseException, limit: int = 120) -> str:
+    """What ``error`` says, short: its first line without gloo's source position and advice (``Connection closed by
+    peer [127.0.0.1]:35241``), at most ``limit`` characters; its type's name if it says nothing."""
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    line = _ADVICE.split(_WHERE.sub("", line), maxsplit=1)[0].rstrip(". ")
+    return line[:limit] or type(error).__name__

@@ -1,0 +1,76 @@
+"""A crash costs one step, with ``omnilearn train``: the survivors save the last completed step, the restart
+resumes there, and the run ends with the uninterrupted run's weights. Real worker processes, real SIGKILLs.
+
+- Worker rank 1 SIGKILLs itself after step 16 (``OMNILEARN_FAULT_KILL_AT=1:17``) with no periodic checkpoint
+  due (``--checkpoint-every 1000``): rank 0's next collective fails, it saves step 17, says so in one line,
+  and ``--max-restarts 1`` resumes at step 17, bitwise the weights of the run never killed (same split:
+  ``--controller static``).
+- Killed during that save (``OMNILEARN_FAULT_RESCUE=kill``: between its ``.pt`` and its manifest): the cut
+  save does not count, the restart takes the periodic checkpoint of step 10, still ends exact, and the next
+  save sweeps the cut one.
+
+The torchrun doors (one agent; two agents with a c10d rendezvous, one losing its node) are in
+tests/faults/test_rescue_torchrun.py; the pieces in one process in tests/unit/test_rescue.py.
+
+Run: ``python -m pytest -q tests/faults/test_rescue.py``
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from runfiles import raw_events
+
+from omnilearn.checkpoint import CheckpointStore
+from omnilearn.experiments.cli import main
+
+BASE = ("--workers", "2", "--speeds", "2,1", "--controller", "static", "--max-steps", "30",
+        "--control-interval", "5", "--global-batch", "256", "--no-plots")
+
+
+def train(out: Path, *flags: str) -> int:
+    return main(["train", "--out", str(out), *BASE, *flags])
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    wa, wb = (torch.load(p / "model.pt", weights_only=True) for p in (a, b))
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert train(out, "--checkpoint-every", "1000") == 0
+    return out
+
+
+def test_a_killed_worker_costs_the_step_in_flight(whole, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "1:17")
+    run = tmp_path / "run"
+    assert train(run, "--checkpoint-every", "1000", "--max-restarts", "1") == 0
+    err = capfd.readouterr().err
+    assert "omnilearn: rank 0 lost a peer at step 17 (" in err
+    assert "saved the checkpoint of step 17" in err
+    assert "restart 1 of 1 from the checkpoint of step 17" in err
+    store = CheckpointStore(run / "checkpoints")
+    assert 17 in store.steps()
+    assert store.manifest(17)["meta"]["rescue"]["rank"] == 0
+    assert [e["step"] for e in raw_events(run, "resume")] == [17]
+    assert same_weights(whole, run)
+
+
+def test_a_kill_during_the_survivors_save_leaves_no_checkpoint_that_counts(whole, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "1:17")
+    monkeypatch.setenv("OMNILEARN_FAULT_RESCUE", "kill")
+    run = tmp_path / "run"
+    assert train(run, "--checkpoint-every", "10", "--max-restarts", "1") == 0
+    err = capfd.readouterr().err
+    assert "restart 1 of 1 from the checkpoint of step 10" in err
+    assert [e["step"] for e in raw_events(run, "resume")] == [10]
+    store = CheckpointStore(run / "checkpoints")
+    assert 17 not in store.steps()
+    assert not store.path(17).exists()  # the cut .pt was swept by the next save
+    assert not list((run / "checkpoints").glob(".*"))  # nor a claim or a temporary file left
+    assert same_weights(whole, run)

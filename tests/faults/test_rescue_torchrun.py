@@ -1,0 +1,163 @@
+"""A crash costs one step under torchrun, as users run it: the API in a script of their own
+(tests/faults/rescue_script.py: float64, static split, ``ol.load_checkpoint`` at the start, no periodic
+checkpoint within the run), real agents, real SIGKILLs.
+
+- One agent (``--standalone``, 3 workers, ``--max-restarts 2``), two failures in a row: rank 2 killed
+  after step 6, then rank 1 after step 14 of the restarted attempt. Each time the survivors save the step
+  in flight's start and the agent's restart resumes there (7, then 15); the weights are the uninterrupted
+  run's to float64 rounding (DDP's bucket order after a restart changes the sum's order of three terms).
+- Two agents with a c10d rendezvous (``--nnodes 1:2``), "node" A with 2 workers (it hosts the rendezvous)
+  and "node" B with 1. Where the test can make network namespaces (root), each agent runs in its own,
+  joined by a veth pair, so the nodes have their own addresses; else both use the loopback (said in the
+  test's output). Node B's agent and worker SIGKILLed after step 6: A's survivors save step 7, A's agent
+  re-forms the job alone and it resumes at step 7 on 2 workers, ending with the 3-worker run's weights
+  (float64, relative 1e-12). Node B's worker alone killed: B's agent restarts it, both agents re-form the
+  job and it resumes at step 7 on 3 workers.
+
+Run: ``python -m pytest -q tests/faults/test_rescue_torchrun.py``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("rescue_script.py")
+TIMEOUT_S = 240
+RDZV_CONF = "join_timeout=120,last_call_timeout=2"  # the default last call (30 s) would wait that long per round
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def attempts(out: Path) -> list[dict]:
+    found = sorted(out.glob("attempt-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    return [json.loads(p.read_text()) for p in found]
+
+
+def rel_diff(a: Path, b: Path) -> float:
+    wa, wb = (torch.load(p / "final.pt", weights_only=True) for p in (a, b))
+    num = sum(float(((wa[k] - wb[k]) ** 2).sum()) for k in wa) ** 0.5
+    return num / sum(float((wa[k] ** 2).sum()) for k in wa) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("whole")
+    done = subprocess.run(torchrun("--standalone", "--nproc-per-node", "3", str(SCRIPT), str(out)), env=env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_two_failures_in_a_row_cost_a_step_each(whole, tmp_path):
+    cmd = torchrun("--standalone", "--nproc-per-node", "3", "--max-restarts", "2", str(SCRIPT), str(tmp_path),
+                   "2:7@0,1:15@1")
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(a["start"], a["world"]) for a in attempts(tmp_path)] == [(0, 3), (7, 3), (15, 3)]
+    assert "lost a peer at step 7" in done.stderr and "lost a peer at step 15" in done.stderr
+    rescued = {json.loads(p.read_text())["meta"]["rescue"]["step"] for p in (tmp_path / "ckpt").glob("*.json")}
+    assert rescued == {7, 15}
+    assert rel_diff(whole, tmp_path) < 1e-12
+
+
+class Nodes:
+    """Two "nodes" for two agents: network namespaces with their own addresses where possible, else loopback."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 10000}{random.randrange(100)}"
+        self.names = (f"olA{tag}", f"olB{tag}")
+        self.links = (f"vA{tag}", f"vB{tag}")
+        subnet = random.randrange(1, 250)
+        self.addrs = (f"10.231.{subnet}.1", f"10.231.{subnet}.2")
+        self.isolated = False
+
+    def make(self) -> None:
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            return
+        a, b = self.names
+        steps = [["netns", "add", a], ["netns", "add", b],
+                 ["link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]],
+                 ["link", "set", self.links[0], "netns", a], ["link", "set", self.links[1], "netns", b],
+                 ["-n", a, "addr", "add", f"{self.addrs[0]}/24", "dev", self.links[0]],
+                 ["-n", b, "addr", "add", f"{self.addrs[1]}/24", "dev", self.links[1]],
+                 ["-n", a, "link", "set", self.links[0], "up"], ["-n", b, "link", "set", self.links[1], "up"],
+                 ["-n", a, "link", "set", "lo", "up"], ["-n", b, "link", "set", "lo", "up"]]
+        for step in steps:
+            if subprocess.run(["ip", *step], capture_output=True).returncode != 0:
+                self.remove()
+                return
+        self.isolated = True
+
+    def remove(self) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def agent(self, node: int, port: int, nproc: int, out: Path, *script_args: str) -> subprocess.Popen:
+        """Start node ``node``'s agent (0 hosts the rendezvous) in a session of its own."""
+        host = self.addrs[0] if self.isolated else "127.0.0.1"
+        args = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id",
+                f"rescue{port}", "--max-restarts", "2", "--nproc-per-node", str(nproc),
+                "--rdzv-conf", f"{RDZV_CONF},is_host={int(node == 0)}"]
+        cmd, extra = torchrun(*args), {}
+        if self.isolated:  # each node's own address: advertised to the peers, and gloo's interface
+            cmd = ["ip", "netns", "exec", self.names[node], *torchrun(*args, "--local-addr", self.addrs[node])]
+            extra = {"GLOO_SOCKET_IFNAME": self.links[node]}
+        log = open(out / f"agent-{'AB'[node]}.log", "w")
+        return subprocess.Popen([*cmd, str(SCRIPT), str(out), *script_args], env={**env(), **extra}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextmanager
+def two_nodes():
+    nodes = Nodes()
+    nodes.make()
+    print(f"nodes: {'network namespaces ' + ', '.join(nodes.addrs) if nodes.isolated else 'loopback'}")
+    procs: list[subprocess.Popen] = []
+    try:
+        yield nodes, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        nodes.remove()
+
+
+@pytest.mark.parametrize("lost", ["node", "worker"])
+def test_two_agents_go_on_after_a_loss(whole, tmp_path, lost):
+    with two_nodes() as (nodes, procs):
+        port = free_port()
+        procs.append(nodes.agent(0, port, 2, tmp_path))
+        procs.append(nodes.agent(1, port, 1, tmp_path, "L0:7:agent" if lost == "node" else "L0:7"))
+        assert procs[0].wait(timeout=TIMEOUT_S) == 0, (tmp_path / "agent-A.log").read_text()[-3000:]
+        if lost == "worker":
+            assert procs[1].wait(timeout=60) == 0, (tmp_path / "agent-B.log").read_text()[-3000:]
+    log = (tmp_path / "agent-A.log").read_text()
+    assert "lost a peer at step 7" in log and "saved the checkpoint of step 7" in log
+    world = 2 if lost == "node" else 3
+    assert [(a["start"], a["world"]) for a in attempts(tmp_path)] == [(0, 3), (7, world)]
+    assert rel_diff(whole, tmp_path) < 1e-12

@@ -1,0 +1,104 @@
+"""The survivors' save, in one process: which errors mean a lost peer, one writer per step, nothing pruned.
+
+The real thing (processes killed mid-run, restarts, exactness) is tests/faults/test_rescue.py.
+
+Run: ``python -m pytest -q tests/unit/test_rescue.py``
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from omnilearn.checkpoint import CheckpointStore
+from omnilearn.distributed.lost import PeerLost, first_line, peer_lost
+
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:22181: Connection reset by peer. This is typically caused by a remote worker hanging or "
+              "bugs in the application. Check the logs of the remote worker before reporting an error. GLHF!")
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:56023. This is typically caused by a remote worker crashing.")
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                "1800000ms for recv operation to complete")
+
+
+@pytest.mark.parametrize("message", [GLOO_RESET, GLOO_CLOSED, "NCCL error: remote process exited or there was a "
+                                     "network error", "[pair.cc:589] Write error: Broken pipe"])
+def test_a_dead_peers_error_is_a_lost_peer(message):
+    assert peer_lost(RuntimeError(message))
+
+
+@pytest.mark.parametrize("error", [RuntimeError(GLOO_TIMEOUT), RuntimeError("CUDA out of memory"),
+                                   ValueError("Connection reset by peer"), None, KeyboardInterrupt()])
+def test_other_errors_are_not(error):
+    """A timeout (hung, or a loop that skipped a call), this rank's own errors, a non-runtime error: not lost."""
+    assert not peer_lost(error)
+
+
+def test_a_wrapped_lost_peer_is_seen_through_its_cause():
+    """The meeting's own error (ranks did not come) raised from gloo's: still a lost peer."""
+    try:
+        try:
+            raise RuntimeError(GLOO_CLOSED)
+        except RuntimeError as e:
+            raise RuntimeError("rank 0 waited at the interval end after 16 steps and the other ranks did not come") \
+                from e
+    except RuntimeError as e:
+        assert peer_lost(e)
+    assert peer_lost(PeerLost("gone"))
+
+
+def test_the_line_is_short():
+    assert first_line(RuntimeError(GLOO_CLOSED)) == "Connection closed by peer [127.0.0.1]:56023"
+    assert first_line(RuntimeError("")) == "RuntimeError"
+
+
+def state(value: float) -> dict:
+    return {"model": {"w": torch.full((3,), value)}, "session": {"next_step": 7}}
+
+
+def test_one_writer_per_step(tmp_path):
+    store = CheckpointStore(tmp_path)
+    claim = tmp_path / ".step-000000007.claim"
+    tmp_path.mkdir(exist_ok=True)
+    claim.write_text("123\n")  # another survivor is writing step 7
+    assert store.save_once(7, state(1.0)) is None
+    assert store.steps() == []
+    claim.unlink()
+    path = store.save_once(7, state(2.0), {"rescue": {"rank": 1}})
+    assert path == store.path(7) and store.steps() == [7]
+    assert not claim.exists()  # the claim goes once the checkpoint is complete
+    assert store.manifest(7)["meta"]["rescue"] == {"rank": 1}
+    assert store.save_once(7, state(3.0)) is None  # complete already: the slower survivor leaves it
+    assert torch.equal(store.load(7)["model"]["w"], torch.full((3,), 2.0))
+
+
+def test_a_survivors_save_prunes_nothing_and_the_next_save_sweeps(tmp_path):
+    """Another survivor may be writing another step beside it: nothing pruned or swept; the next ordinary save
+    prunes to K and sweeps what a survivor killed mid-save left (its .pt without a manifest, its claim)."""
+    store = CheckpointStore(tmp_path, keep=1)
+    store.save(5, state(0.0))
+    cut = store.path(8)
+    cut.write_bytes(b"half")  # a survivor killed between its .pt and its manifest
+    (tmp_path / ".step-000000008.claim").write_text("9\n")
+    store.save_once(7, state(1.0))
+    assert store.steps() == [5, 7] and cut.exists()
+    store.save(9, state(2.0))
+    assert store.steps() == [9]
+    assert not cut.exists() and not (tmp_path / ".step-000000008.claim").exists()
+
+
+def test_a_kill_between_the_pt_and_its_manifest_leaves_no_checkpoint(tmp_path):
+    store = CheckpointStore(tmp_path)
+
+    def killed() -> None:
+        raise SystemExit("killed")  # stands in for SIGKILL at that point (the fault test kills a real process)
+
+    with pytest.raises(SystemExit):
+        store.save_once(7, state(1.0), after_parts=killed)
+    assert store.steps() == [] and store.read_latest() is None
+    assert store.path(7).exists()  # the .pt alone does not count
+    assert not any(p.name.endswith(".claim") for p in tmp_path.iterdir())  # the claim goes with the process here
+    os.sync()
