@@ -5,6 +5,9 @@ resumes there, and the run ends with the uninterrupted run's weights. Real worke
   due (``--checkpoint-every 1000``): rank 0's next collective fails, it saves step 17, says so in one line,
   and ``--max-restarts 1`` resumes at step 17, bitwise the weights of the run never killed (same split:
   ``--controller static``).
+- Rank 0 killed (it writes the run directory) with 3 workers: ranks 1 and 2 each try to save step 17, one
+  writes it, the other says so; the restart resumes there (relative 1e-6: three ranks' sums round in
+  another order after DDP's buckets are rebuilt).
 - Killed during that save (``OMNILEARN_FAULT_RESCUE=kill``: between its ``.pt`` and its manifest): the cut
   save does not count, the restart takes the periodic checkpoint of step 10, still ends exact, and the next
   save sweeps the cut one.
@@ -34,6 +37,12 @@ def train(out: Path, *flags: str) -> int:
     return main(["train", "--out", str(out), *BASE, *flags])
 
 
+def rel_diff(a: Path, b: Path) -> float:
+    wa, wb = (torch.load(p / "model.pt", weights_only=True) for p in (a, b))
+    num = sum(float(((wa[k].double() - wb[k].double()) ** 2).sum()) for k in wa) ** 0.5
+    return num / sum(float((wa[k].double() ** 2).sum()) for k in wa) ** 0.5
+
+
 def same_weights(a: Path, b: Path) -> bool:
     wa, wb = (torch.load(p / "model.pt", weights_only=True) for p in (a, b))
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -59,6 +68,22 @@ def test_a_killed_worker_costs_the_step_in_flight(whole, tmp_path, monkeypatch, 
     assert store.manifest(17)["meta"]["rescue"]["rank"] == 0
     assert [e["step"] for e in raw_events(run, "resume")] == [17]
     assert same_weights(whole, run)
+
+
+def test_rank_zero_killed_the_others_save(whole, tmp_path, monkeypatch, capfd):
+    """Rank 0 (which writes the run directory) dies: ranks 1 and 2 each try to save step 17, one writes it."""
+    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "0:17")
+    run = tmp_path / "run"
+    flags = ("--checkpoint-every", "1000", "--max-restarts", "1", "--workers", "3", "--speeds", "2,1,1")
+    assert train(run, *flags) == 0
+    err = capfd.readouterr().err
+    assert err.count("saved the checkpoint of step 17") + err.count("is saved by another survivor") == 2
+    assert "restart 1 of 1 from the checkpoint of step 17" in err
+    assert CheckpointStore(run / "checkpoints").manifest(17)["meta"]["rescue"]["rank"] in (1, 2)
+    monkeypatch.delenv("OMNILEARN_FAULT_KILL_AT")
+    whole3 = tmp_path / "whole3"
+    assert train(whole3, "--checkpoint-every", "1000", "--workers", "3", "--speeds", "2,1,1") == 0
+    assert rel_diff(whole3, run) < 1e-6  # three ranks: DDP's bucket order after a restart moves the sum's rounding
 
 
 def test_a_kill_during_the_survivors_save_leaves_no_checkpoint_that_counts(whole, tmp_path, monkeypatch, capfd):

@@ -35,7 +35,8 @@ import torch
 
 SCRIPT = Path(__file__).with_name("rescue_script.py")
 TIMEOUT_S = 240
-RDZV_CONF = "join_timeout=120,last_call_timeout=2"  # the default last call (30 s) would wait that long per round
+# the default last call (30 s) would wait that long per round; a dead node's keep-alive is missed after 3 s, not 15
+RDZV_CONF = "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 def free_port() -> int:
@@ -141,10 +142,30 @@ def two_nodes():
         yield nodes, procs
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            for pid in [p.pid, *descendants(p.pid)]:  # torchrun's workers sit in sessions of their own
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
         nodes.remove()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for c, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 @pytest.mark.parametrize("lost", ["node", "worker"])

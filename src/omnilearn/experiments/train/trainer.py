@@ -77,8 +77,9 @@ class BSPTrainer:
         self.lr_sched = workload.make_schedule(cfg, self.opt, self.run.total_steps, self.run.steps_per_epoch)
         self.checkpoints = run_dir / "checkpoints" if run_dir is not None else Path("checkpoints")
         self.objects = {"model": self.model, "optimizer": self.opt, "scheduler": self.lr_sched}
-        if run_dir is not None:  # a dead peer costs the step in flight (omnilearn.bsp.rescue)
-            self.session.save_on_failure(self.checkpoints, **self.objects)
+        where = run_dir if run_dir is not None else Path(cfg.out) if cfg.out else None  # every rank's, not only 0's
+        if where is not None:  # a dead peer costs the step in flight: any survivor saves it (omnilearn.bsp.rescue)
+            self.session.save_on_failure(where / "checkpoints", **self.objects)
         if cfg.resume and not self._resume():
             if ctx.is_main:
                 warn(f"--resume: no checkpoint in {self.checkpoints} yet (the run stopped before its first); "
