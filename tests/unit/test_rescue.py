@@ -102,3 +102,46 @@ def test_a_kill_between_the_pt_and_its_manifest_leaves_no_checkpoint(tmp_path):
     assert store.path(7).exists()  # the .pt alone does not count
     assert not any(p.name.endswith(".claim") for p in tmp_path.iterdir())  # the claim goes with the process here
     os.sync()
+
+
+def test_a_session_saves_once_what_it_was_given(tmp_path, capsys):
+    """One process stands in for a survivor: no directory given, one line says so; given one, the checkpoint of
+    the step in flight's start loads back into a new session (the restart), with its rescue noted."""
+    import omnilearn
+    from torch.utils.data import TensorDataset
+
+    def session():
+        ol = omnilearn.setup(global_batch=8, device="cpu", handle_signals=False)
+        torch.manual_seed(0)
+        model = ol.wrap_model(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = ol.data_loader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)))
+        return ol, model, opt, loader
+
+    ol, model, opt, loader = session()
+    with pytest.raises(TypeError, match="directory=3"):
+        ol.save_on_failure(3, model=model)
+    for i, (x, y) in enumerate(loader):
+        if i == 3:
+            break
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ol.step(loss)
+    lost = RuntimeError(GLOO_CLOSED)
+    assert "nothing was saved" in ol._lost(lost)
+    ol.rescued = None
+    ol.save_on_failure(tmp_path, model=model, optimizer=opt)
+    line = ol._lost(lost)
+    assert line.startswith("omnilearn: rank 0 lost a peer at step 3 (Connection closed by peer")
+    assert ol._lost(lost) is line and capsys.readouterr().err.count("lost a peer") == 2  # once per failure
+    assert CheckpointStore(tmp_path).manifest(3)["meta"]["rescue"]["step"] == 3
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    ol.release()
+
+    again, model2, opt2, _ = session()
+    assert again.load_checkpoint(tmp_path, model=model2, optimizer=opt2)
+    assert again.next_step == 3
+    assert all(torch.equal(weights[k], v) for k, v in model2.state_dict().items())
+    again.release()

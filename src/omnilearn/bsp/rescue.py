@@ -73,6 +73,10 @@ class Rescue:
         """Where, and what, this rank saves if a peer dies: ``directory`` (a checkpoint directory, the one
         ``load_checkpoint`` resumes from) and the objects, as :meth:`save_checkpoint` takes them.
         ``load_checkpoint`` and ``save_checkpoint`` set it too, so a script that resumes is covered."""
+        if not isinstance(directory, (str, Path)) or (model is not None and not hasattr(model, "state_dict")):
+            bad = f"directory={directory!r}" if not isinstance(directory, (str, Path)) else f"model={type(model).__name__}"
+            raise TypeError(f"save_on_failure({bad}): give a directory (str or Path) and the model, optimizer and "
+                            "scheduler as save_checkpoint takes them")
         self.rescue_to = (Path(directory), {"model": model, "optimizer": optimizer, "scheduler": scheduler})
 
     def _lost(self, error: BaseException) -> str:
@@ -86,8 +90,9 @@ class Rescue:
 
     def _save_rescue(self, seen: float) -> str:
         if self.rescue_to is None or self.rescue_to[1].get("model") is None:
-            return ("nothing was saved: call ol.save_on_failure(directory, model=..., optimizer=..., scheduler=...) "
-                    "or ol.load_checkpoint(...) first, and survivors save the last completed step")
+            return ("nothing was saved: no checkpoint directory was given (ol.save_on_failure(directory, model=..., "
+                    "optimizer=...) or ol.load_checkpoint(directory, ...) gives one); a restart resumes from the "
+                    "last checkpoint")
         directory, objects = self.rescue_to
         store = CheckpointStore(directory)
         if sharded.is_sharded(objects["model"]):
