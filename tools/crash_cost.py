@@ -11,7 +11,10 @@ restarts by itself:
 - ``torchrun``: the API in a script of its own (tests/faults/rescue_script.py: a float64 MLP, 3 workers) under
   ``torchrun --standalone --max-restarts 1``, rank 2 killed;
 - ``two agents``: the same script under two torchrun agents with a c10d rendezvous (``--nnodes 1:2``, in network
-  namespaces of their own where this runs as root), node B's agent and worker killed: the job goes on on A.
+  namespaces of their own where this runs as root), node B's agent and worker killed: the job goes on on A;
+- ``hf trainer``: ``OmniLearnTrainer`` (tests/faults/hf_rescue_script.py: a float64 1-layer GPT-2, 2 workers)
+  under ``torchrun --standalone --max-restarts 1``, rank 0 killed at the end of step K: rank 1 saves the
+  Trainer folder (its restart counts from the kill; its first step from the process start).
 
 The parts (unix times from the run's own records): detection = the kill to a survivor seeing its collective
 fail (the rescue checkpoint's ``meta.rescue.seen_at``); save = that to the manifest's ``saved_at``; restart =
@@ -35,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "faults" / "rescue_script.py"
+HF_SCRIPT = ROOT / "tests" / "faults" / "hf_rescue_script.py"
 sys.path.insert(0, str(ROOT / "tests" / "faults"))
 KILL = 7  # the step in flight when the worker dies (the script's and the CLI's)
 
@@ -100,7 +104,24 @@ def two_agents(out: Path) -> dict:
     return {**script_parts(out), "nodes": where}
 
 
-DOORS = {"cli": cli, "torchrun": torchrun, "two agents": two_agents}
+def hf(out: Path) -> dict:
+    """OmniLearnTrainer (tests/faults/hf_rescue_script.py), 2 workers, rank 0 killed at the end of step KILL. Its
+    rescue folder holds no times: restart counts from the kill (detection and save in it), start-up to the first
+    step (imports, the Trainer, the load)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "1", str(HF_SCRIPT), str(out), f"0:{KILL}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"crash_cost: the Trainer run failed:\n{done.stderr[-3000:]}")
+    kill = json.loads((out / "kill-0.json").read_text())
+    again = json.loads((out / "attempt-1.json").read_text())
+    return {"lost": kill["step"] - again["start"], "detection": None, "save": None, "restart": again["t0"] - kill["at"],
+            "start-up": None, "load": None, "first step": again["first_step"] - again["t0"],
+            "total": again["first_step"] - kill["at"], "workers": again["world"]}
+
+
+DOORS = {"cli": cli, "torchrun": torchrun, "two agents": two_agents, "hf trainer": hf}
 PARTS = ("detection", "save", "restart", "start-up", "load", "first step", "total")
 
 

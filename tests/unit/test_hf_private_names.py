@@ -125,3 +125,19 @@ def test_the_door_checks_the_tested_versions(monkeypatch):
     monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
     with pytest.raises(ConfigError, match="OmniLearnTrainer: transformers .* outside"):
         OmniLearnTrainer(model=None, args=None)
+
+
+def test_the_folder_a_survivor_writes_is_the_one_trainer_reads():
+    """hf_checkpoint.rescue_trainer writes Trainer's checkpoint files by name (it cannot call Trainer's save: that
+    writes on the writer rank only, which may be the one that died); Trainer must still read those names, and the
+    torchrun agent must still read the variable that gives each round a store of its own."""
+    import transformers.trainer as trainer_module
+    from transformers.utils import SAFE_WEIGHTS_NAME
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    source = inspect.getsource(trainer_module.Trainer)
+    for name in ("OPTIMIZER_NAME", "SCHEDULER_NAME", "TRAINER_STATE_NAME", "SAFE_WEIGHTS_NAME"):
+        assert name in source, f"Trainer no longer reads {name}"
+    assert (trainer_module.OPTIMIZER_NAME, trainer_module.SCHEDULER_NAME, trainer_module.TRAINER_STATE_NAME,
+            SAFE_WEIGHTS_NAME) == ("optimizer.pt", "scheduler.pt", "trainer_state.json", "model.safetensors")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in inspect.getsource(dynamic_rendezvous)

@@ -54,7 +54,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omnilearn.bsp import checkpointing, sharded
 from omnilearn.checkpoint import CheckpointStore
@@ -67,6 +67,7 @@ class Rescue:
     """``save_on_failure`` and the survivors' save (see the module docstring); a mixin of the Session."""
 
     rescue_to: tuple[Path, dict[str, Any]] | None = None  # (directory, the objects) to save when a peer is lost
+    rescue_saver: Callable[[int], str] | None = None  # a door's own save in its own format (step -> what it did)
     rescued: str | None = None  # the line said, once a peer was lost
 
     def save_on_failure(self, directory: str | Path, *, model=None, optimizer=None, scheduler=None) -> None:
@@ -79,6 +80,11 @@ class Rescue:
                             "scheduler as save_checkpoint takes them")
         self.rescue_to = (Path(directory), {"model": model, "optimizer": optimizer, "scheduler": scheduler})
 
+    def rescue_with(self, saver: Callable[[int], str] | None) -> None:
+        """A front door that keeps checkpoints in its own format (Hugging Face's Trainer folders) saves the last
+        completed step itself: ``saver(step)`` writes it without collectives and says what it did."""
+        self.rescue_saver = saver
+
     def _lost(self, error: BaseException) -> str:
         """A peer is gone (``error``): save the last completed step, once; the line said (also on stderr)."""
         if self.rescued is None:
@@ -89,6 +95,11 @@ class Rescue:
         return self.rescued
 
     def _save_rescue(self, seen: float) -> str:
+        if self.rescue_saver is not None:
+            try:
+                return self.rescue_saver(self.next_step)
+            except Exception as e:  # the run is failing already: say why nothing was saved, raise the peer's error
+                return f"the save failed ({type(e).__name__}: {first_line(e)}); a restart resumes from the last checkpoint"
         if self.rescue_to is None or self.rescue_to[1].get("model") is None:
             return ("nothing was saved: no checkpoint directory was given (ol.save_on_failure(directory, model=..., "
                     "optimizer=...) or ol.load_checkpoint(directory, ...) gives one); a restart resumes from the "

@@ -277,6 +277,11 @@ class OmniLearnTrainer(Trainer):
                            prune=lambda: hf_checkpoint.rotate(run_dir, limit, keep=folder,
                                                               best=self.state.best_model_checkpoint))
 
+    def _rescue(self, step: int) -> str:
+        """A peer died (:mod:`omnilearn.bsp.rescue`): this rank writes ``checkpoint-<step>`` alone
+        (:func:`~omnilearn.integrations.hf_checkpoint.rescue_trainer`)."""
+        return hf_checkpoint.rescue_trainer(self, step)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         path = os.path.join(resume_from_checkpoint, SESSION_FILE)
         if not os.path.isfile(path):
@@ -299,6 +304,7 @@ class OmniLearnTrainer(Trainer):
         self._trained = True
         if resume_from_checkpoint is True:  # Trainer would take the newest folder, complete or not
             resume_from_checkpoint = hf_checkpoint.latest_complete(self.args.output_dir)
+        hf_checkpoint.arm_rescue(self.session, self._rescue)  # a dead peer costs one step: a survivor saves a folder
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         self.omnilearn_summary = self.session.finish()
         return output

@@ -28,11 +28,16 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import safetensors.torch
 import torch
+from transformers import PreTrainedModel
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+from transformers.utils import SAFE_WEIGHTS_NAME
 
-from omnilearn.bsp.checkpointing import from_bytes, gathered_state, to_bytes
-from omnilearn.commit import commit
+from omnilearn.bsp.checkpointing import from_bytes, gathered_state, session_state, to_bytes
+from omnilearn.commit import commit, sync_tree
+from omnilearn.observe.rundir import sync
 from omnilearn.config import ConfigError
 from omnilearn.distributed.collect import broadcast_bytes, gather_bytes
 
@@ -73,6 +78,80 @@ def save(session: Any, folder: str | Path, write_folder: Callable[[], object], *
     if joined:
         raise RuntimeError(f"OmniLearnTrainer: the checkpoint {folder} was not completed ({joined}); the previous "
                            "complete checkpoint is kept")
+
+
+SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def arm_rescue(session: Any, saver: Callable[[int], str]) -> None:
+    """Let the session's survivors save Trainer folders (:func:`rescue_trainer`), and say once, on rank 0, when a
+    torchrun restart would fail before any of it: accelerate makes the process group from torchrun's store
+    (``env://``), which torch 2.4+ shares across restarts, so a restarted group reads the dead attempt's peer
+    addresses (gloo: ``connectFullMesh ... Connection refused``, or a hang)."""
+    session.rescue_with(saver)
+    env = os.environ
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if session.is_main and restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        warnings.warn(f"torchrun --max-restarts {restarts}: a restart of this Trainer would read the dead attempt's "
+                      f"peer addresses from torchrun's shared store; launch with {SHARED_STORE_FIX} in the "
+                      "environment (docs/failures.md, 'A crash costs one step')", RestartStoreWarning, stacklevel=3)
+
+
+class RestartStoreWarning(UserWarning):
+    """torchrun restarts are on and its store is shared across them: accelerate's group would fail to re-form."""
+
+
+def rescue_trainer(trainer: Any, step: int) -> str:
+    """``OmniLearnTrainer``'s survivor's save: ``checkpoint-<step>`` as Trainer loads it (weights, optimizer, LR
+    scheduler, trainer state; the session file last: :func:`rescue`), whatever ``should_save`` says (the writer
+    Trainer would pick may be the rank that died)."""
+    if trainer.state.global_step != step:
+        return (f"nothing was saved: Trainer's step {trainer.state.global_step} is not the session's {step} here; "
+                "a restart resumes from the last checkpoint")
+
+    def parts(folder: Path) -> None:
+        model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+        if isinstance(model, PreTrainedModel):  # save_pretrained writes on the main process only: write its files
+            model.config.save_pretrained(folder)
+        safetensors.torch.save_model(model, str(folder / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        torch.save(trainer.optimizer.state_dict(), folder / OPTIMIZER_NAME)
+        if trainer.lr_scheduler is not None:
+            torch.save(trainer.lr_scheduler.state_dict(), folder / SCHEDULER_NAME)
+        trainer.state.save_to_json(str(folder / TRAINER_STATE_NAME))
+
+    return rescue(trainer.session, trainer.args.output_dir, step, parts)
+
+
+def rescue(session: Any, output_dir: str | Path, step: int, write_parts: Callable[[Path], object]) -> str:
+    """A survivor's save after a lost peer (:mod:`omnilearn.bsp.rescue`): ``checkpoint-<step>`` written alone, no
+    collective. One writer per step (an ``O_EXCL`` claim: survivors cannot talk); Trainer's parts
+    (``write_parts(tmp)``: weights, optimizer, scheduler, trainer state) into ``.checkpoint-<step>.rescue-<pid>``,
+    the session file last as the mark (this rank's state only), then the folder renamed into place (a cut folder
+    of the same step, never complete, is replaced). Nothing is rotated. Says what it did."""
+    final = Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    if complete(final):
+        return f"{final} is complete already"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    claim = final.with_name(f".{final.name}.claim")
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return f"{final} is saved by another survivor"
+    tmp = final.with_name(f".{final.name}.rescue-{os.getpid()}")
+    try:
+        tmp.mkdir()
+        state = to_bytes(session_state(session, rows=False))
+        commit(tmp / SESSION_FILE, lambda: (write_parts(tmp), sync_tree(tmp)), lambda: state)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        sync(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        claim.unlink(missing_ok=True)
+    return f"saved {final}: train(resume_from_checkpoint=True) resumes there"
 
 
 def rotate(run_dir: str | Path, limit: int | None, keep: str | Path, best: str | None) -> None:
