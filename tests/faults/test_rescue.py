@@ -13,7 +13,7 @@ resumes there, and the run ends with the uninterrupted run's weights. Real worke
   save sweeps the cut one.
 
 The torchrun doors (one agent; two agents with a c10d rendezvous, one losing its node) are in
-tests/faults/test_rescue_torchrun.py; the pieces in one process in tests/unit/test_rescue.py.
+tests/faults/test_rescue_torchrun.py; the pieces in one process in tests/unit/test_survivor_save.py.
 
 Run: ``python -m pytest -q tests/faults/test_rescue.py``
 """

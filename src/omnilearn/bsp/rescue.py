@@ -43,7 +43,7 @@ Not rescued: FSDP2 (each rank holds a shard; the survivors' shards are not
 the model): one line names the last checkpoint the restart will use. A hung
 peer (a timeout, the watchdog): the step boundary is not known.
 
-Run: ``python -m pytest -q tests/unit/test_rescue.py tests/faults/test_rescue.py``
+Run: ``python -m pytest -q tests/unit/test_survivor_save.py tests/faults/test_rescue.py``
 """
 
 from __future__ import annotations

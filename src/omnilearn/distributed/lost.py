@@ -16,7 +16,7 @@ heartbeat watchdog names a hung peer (:mod:`omnilearn.distributed.watchdog`).
 An error of this rank alone (out of memory, bad data) is announced to the
 peers instead (:mod:`omnilearn.distributed.failures`).
 
-No torch here. Run: ``python -m pytest -q tests/unit/test_rescue.py``
+No torch here. Run: ``python -m pytest -q tests/unit/test_survivor_save.py``
 """
 
 from __future__ import annotations

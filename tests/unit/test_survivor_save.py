@@ -2,7 +2,7 @@
 
 The real thing (processes killed mid-run, restarts, exactness) is tests/faults/test_rescue.py.
 
-Run: ``python -m pytest -q tests/unit/test_rescue.py``
+Run: ``python -m pytest -q tests/unit/test_survivor_save.py``
 """
 
 from __future__ import annotations
