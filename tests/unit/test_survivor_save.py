@@ -145,3 +145,26 @@ def test_a_session_saves_once_what_it_was_given(tmp_path, capsys):
     assert again.next_step == 3
     assert all(torch.equal(weights[k], v) for k, v in model2.state_dict().items())
     again.release()
+
+
+def test_a_meeting_that_fails_for_a_lost_peer_saves_too(tmp_path):
+    """The meeting's read (ol.step(), a loader reading ahead, sync_buffers, save_checkpoint) is the other place a
+    survivor sees a dead peer, after optimizer.step() (the session counted the step first). A meeting whose wait
+    fails as gloo's does stands in for it."""
+    import omnilearn
+    from omnilearn.bsp.steppers import WindowRead
+    from omnilearn.decisions import INTERVAL
+
+    class Broken:
+        def table(self):
+            raise RuntimeError(GLOO_RESET)
+
+    ol = omnilearn.setup(global_batch=8, device="cpu", handle_signals=False)
+    model = ol.wrap_model(torch.nn.Linear(4, 1))
+    ol.save_on_failure(tmp_path, model=model)
+    ol.meeting = WindowRead(Broken(), INTERVAL, 0, [])
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        ol._read_meeting()
+    assert ol.meeting is None and "saved the checkpoint of step 0" in ol.rescued
+    assert CheckpointStore(tmp_path).steps() == [0]
+    ol.release()
