@@ -47,7 +47,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
 import time
@@ -57,7 +56,7 @@ from typing import Any, Callable
 
 import torch
 
-from omnilearn.commit import CheckpointWarning, commit
+from omnilearn.commit import CheckpointWarning, claimed, commit
 from omnilearn.observe.rundir import write_atomic
 from omnilearn.weightsonly import FIX, first_refused, refused_field, refused_global
 
@@ -159,17 +158,8 @@ class CheckpointStore:
         if step in self.steps():
             return None
         self.dir.mkdir(parents=True, exist_ok=True)
-        claim = self.dir / f".step-{step:09d}.claim"
-        try:
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return None
-        try:
-            os.write(fd, f"{os.getpid()}\n".encode())
-            os.close(fd)
-            return self.save(step, state, meta, prune=False, after_parts=after_parts)
-        finally:
-            claim.unlink(missing_ok=True)
+        with claimed(self.dir / f".step-{step:09d}.claim") as mine:
+            return self.save(step, state, meta, prune=False, after_parts=after_parts) if mine else None
 
     def prune(self) -> None:
         """Delete all but the newest ``keep`` checkpoints (their companion directories too), and what cut writes

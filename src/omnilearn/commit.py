@@ -34,8 +34,9 @@ import os
 import re
 import shutil
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from omnilearn.observe.rundir import sync, write_atomic
 
@@ -63,6 +64,22 @@ def commit(mark: Path, write_parts: Callable[[], object], mark_bytes: Callable[[
     write_atomic(Path(mark), lambda f: f.write(data))
     _prune(mark, prune)
     return Path(mark)
+
+
+@contextmanager
+def claimed(claim: Path) -> Iterator[bool]:
+    """One writer among processes that cannot talk (survivors of a lost peer): True when this process created
+    ``claim`` (``O_EXCL``), False when another holds it. Ours goes when the block ends; one left by a writer killed
+    mid-save is the caller's to sweep."""
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        Path(claim).unlink(missing_ok=True)
 
 
 def _prune(done: Path, prune: Callable[[], object] | None) -> None:

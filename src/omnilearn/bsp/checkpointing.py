@@ -75,13 +75,19 @@ def from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def unwrapped(session: Session, obj: Any) -> Any:
+def _unwrapped(session: Session, obj: Any) -> Any:
     """The user's model rather than its DDP wrapper (same parameters; keys without ``module.``)."""
     return session.module if obj is session.model and session.model is not None else obj
 
 
-def cpu(state: dict) -> dict:
+def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def objects_state(session: Session, objects: dict[str, Any]) -> dict[str, Any]:
+    """The ``state_dict`` of each object given (the model unwrapped from DDP, on the CPU), by name."""
+    return {name: _cpu(_unwrapped(session, obj).state_dict()) if name == "model" else obj.state_dict()
+            for name, obj in objects.items() if obj is not None}
 
 
 def save(session: Session, directory: str | Path, objects: dict[str, Any], *, keep: int = 3,
@@ -93,11 +99,7 @@ def save(session: Session, directory: str | Path, objects: dict[str, Any], *, ke
     path, error = None, ""
     if session.is_main:
         try:  # a state_dict() that raises is rank 0's failure: every rank raises it, below, naming rank 0
-            full: dict[str, Any] = {"session": state, "extra": extra or {}}
-            for name, obj in objects.items():
-                if obj is not None:
-                    obj = unwrapped(session, obj)
-                    full[name] = cpu(obj.state_dict()) if name == "model" else obj.state_dict()
+            full: dict[str, Any] = {"session": state, "extra": extra or {}, **objects_state(session, objects)}
             info = {"workers": session.world_size, "global_batch": session.global_batch, **(meta or {})}
             path = CheckpointStore(directory, keep).save(session.next_step, full, info)
         except CheckpointError as e:  # a value that would not load back: it names the field
@@ -191,7 +193,7 @@ def _apply(session: Session, state: dict, objects: dict[str, Any]) -> dict:
             continue
         if name not in state:
             raise CheckpointError(f"the checkpoint holds no {name} state (saved without {name}=); load without it")
-        unwrapped(session, obj).load_state_dict(state[name])
+        _unwrapped(session, obj).load_state_dict(state[name])
     session.load_state_dict(state["session"])
     return state.get("extra", {})
 

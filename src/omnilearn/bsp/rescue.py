@@ -111,11 +111,8 @@ class Rescue:
             return (f"FSDP2's state is sharded across the ranks, so survivors cannot save it: a restart resumes from "
                     f"the last checkpoint in {directory} ({f'step {done[-1]}' if done else 'none yet'})")
         step = self.next_step
-        full: dict[str, Any] = {"session": checkpointing.session_state(self, rows=False), "extra": {}}
-        for name, obj in objects.items():
-            if obj is not None:
-                obj = checkpointing.unwrapped(self, obj)
-                full[name] = checkpointing.cpu(obj.state_dict()) if name == "model" else obj.state_dict()
+        full = {"session": checkpointing.session_state(self, rows=False), "extra": {},
+                **checkpointing.objects_state(self, objects)}
         meta = {"workers": self.world_size, "global_batch": self.global_batch,
                 "rescue": {"rank": self.rank, "seen_at": seen, "step": step}}
         path = store.save_once(step, full, meta, after_parts=_fault)

@@ -180,7 +180,7 @@ class IntervalEnds:
         except RuntimeError as e:
             self.meeting = None
             if peer_lost(e):
-                self._lost(e)
+                self._fail(e)  # a lost peer: this rank saves the last step; finish() and close() skip collectives
             raise
         at = read.step + 1  # a change lands from at + 1 + lag on, after every step any rank can have sampled
         decision = feed(self.loop, self.schedule, at, table, read_ahead=1) if read.kind == INTERVAL else \

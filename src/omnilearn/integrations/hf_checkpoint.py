@@ -36,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from omnilearn.bsp.checkpointing import from_bytes, gathered_state, session_state, to_bytes
-from omnilearn.commit import commit, sync_tree
+from omnilearn.commit import claimed, commit, sync_tree
 from omnilearn.observe.rundir import sync
 from omnilearn.config import ConfigError
 from omnilearn.distributed.collect import broadcast_bytes, gather_bytes
@@ -132,25 +132,21 @@ def rescue(session: Any, output_dir: str | Path, step: int, write_parts: Callabl
     if complete(final):
         return f"{final} is complete already"
     final.parent.mkdir(parents=True, exist_ok=True)
-    claim = final.with_name(f".{final.name}.claim")
-    try:
-        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return f"{final} is saved by another survivor"
-    tmp = final.with_name(f".{final.name}.rescue-{os.getpid()}")
-    try:
-        tmp.mkdir()
-        state = to_bytes(session_state(session, rows=False))
-        commit(tmp / SESSION_FILE, lambda: (write_parts(tmp), sync_tree(tmp)), lambda: state)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        sync(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        claim.unlink(missing_ok=True)
+    with claimed(final.with_name(f".{final.name}.claim")) as mine:
+        if not mine:
+            return f"{final} is saved by another survivor"
+        tmp = final.with_name(f".{final.name}.rescue-{os.getpid()}")
+        try:
+            tmp.mkdir()
+            state = to_bytes(session_state(session, rows=False))
+            commit(tmp / SESSION_FILE, lambda: (write_parts(tmp), sync_tree(tmp)), lambda: state)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            sync(final.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return f"saved {final}: train(resume_from_checkpoint=True) resumes there"
 
 
