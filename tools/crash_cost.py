@@ -14,7 +14,11 @@ restarts by itself:
   namespaces of their own where this runs as root), node B's agent and worker killed: the job goes on on A;
 - ``hf trainer``: ``OmniLearnTrainer`` (tests/faults/hf_rescue_script.py: a float64 1-layer GPT-2, 2 workers)
   under ``torchrun --standalone --max-restarts 1``, rank 0 killed at the end of step K: rank 1 saves the
-  Trainer folder (its restart counts from the kill; its first step from the process start).
+  Trainer folder (its restart counts from the kill; its first step from the process start);
+- ``lightning``: ``OmniLearnStrategy`` (tests/faults/lightning_rescue_script.py: a float64 MLP, 3 workers,
+  ``accumulate_grad_batches=2``) under ``torchrun --standalone --max-restarts 1``, rank 0 killed at the end of
+  step K: a survivor writes the ``OnExceptionCheckpoint`` file, ``fit(ckpt_path="last")`` resumes it (times as
+  for the Trainer).
 
 The parts (unix times from the run's own records): detection = the kill to a survivor seeing its collective
 fail (the rescue checkpoint's ``meta.rescue.seen_at``); save = that to the manifest's ``saved_at``; restart =
@@ -39,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "faults" / "rescue_script.py"
 HF_SCRIPT = ROOT / "tests" / "faults" / "hf_rescue_script.py"
+LIGHTNING_SCRIPT = ROOT / "tests" / "faults" / "lightning_rescue_script.py"
 sys.path.insert(0, str(ROOT / "tests" / "faults"))
 KILL = 7  # the step in flight when the worker dies (the script's and the CLI's)
 
@@ -105,15 +110,26 @@ def two_agents(out: Path) -> dict:
 
 
 def hf(out: Path) -> dict:
-    """OmniLearnTrainer (tests/faults/hf_rescue_script.py), 2 workers, rank 0 killed at the end of step KILL. Its
-    rescue folder holds no times: restart counts from the kill (detection and save in it), start-up to the first
-    step (imports, the Trainer, the load)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-           "1", str(HF_SCRIPT), str(out), f"0:{KILL}"]
+    """OmniLearnTrainer (tests/faults/hf_rescue_script.py), 2 workers, rank 0 killed at the end of step KILL."""
+    return framework_door(out, HF_SCRIPT, 2, "the Trainer run")
+
+
+def lightning(out: Path) -> dict:
+    """OmniLearnStrategy (tests/faults/lightning_rescue_script.py), 3 workers, rank 0 killed at the end of step
+    KILL."""
+    return framework_door(out, LIGHTNING_SCRIPT, 3, "the Lightning run")
+
+
+def framework_door(out: Path, script: Path, workers: int, what: str) -> dict:
+    """A framework's script under torchrun, rank 0 killed at the end of step KILL. Its rescue file holds no times:
+    restart counts from the kill (detection and save in it), start-up to the first step (imports, the framework,
+    the load)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+           "--max-restarts", "1", str(script), str(out), f"0:{KILL}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"crash_cost: the Trainer run failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"crash_cost: {what} failed:\n{done.stderr[-3000:]}")
     kill = json.loads((out / "kill-0.json").read_text())
     again = json.loads((out / "attempt-1.json").read_text())
     return {"lost": kill["step"] - again["start"], "detection": None, "save": None, "restart": again["t0"] - kill["at"],
@@ -121,7 +137,7 @@ def hf(out: Path) -> dict:
             "total": again["first_step"] - kill["at"], "workers": again["world"]}
 
 
-DOORS = {"cli": cli, "torchrun": torchrun, "two agents": two_agents, "hf trainer": hf}
+DOORS = {"cli": cli, "torchrun": torchrun, "two agents": two_agents, "hf trainer": hf, "lightning": lightning}
 PARTS = ("detection", "save", "restart", "start-up", "load", "first step", "total")
 
 

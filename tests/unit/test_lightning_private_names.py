@@ -4,7 +4,9 @@
 Lightning does not promise to keep (``trainer._accelerator_connector``,
 ``fit_loop._data_source``, ``DDPStrategy._setup_model``, ``_ddp_kwargs``,
 ``_layer_sync``, Fabric's ``_BackwardSyncControl`` and
-``_backward_sync_control``, ``lightning.pytorch.utilities.data._update_dataloader``)
+``_backward_sync_control``, ``lightning.pytorch.utilities.data._update_dataloader``;
+the survivors' save: ``trainer._checkpoint_connector.dump_checkpoint``, the
+``"loops"``/``"fit_loop"`` keys it writes and ``OnExceptionCheckpoint.ckpt_path``)
 and override hooks whose parameters they name. Each has a check here: it
 exists, takes the parameters the door passes or receives, and (for an
 override) Lightning still calls it. A failure here means the installed
@@ -47,6 +49,8 @@ def parameters(fn) -> list[str]:
     (DDPStrategy, "save_checkpoint", ["self", "checkpoint", "filepath", "storage_options"]),
     (DDPStrategy, "load_checkpoint", ["self", "checkpoint_path", "weights_only"]),
     (DDPStrategy, "on_train_batch_start", ["self", "batch", "batch_idx"]),
+    (DDPStrategy, "barrier", ["self", "args", "kwargs"]),
+    (DDPStrategy, "on_exception", ["self", "exception"]),
     # Fabric's DDPStrategy: OmniLearnFabricStrategy overrides these
     (FabricDDP, "setup_module", ["self", "module"]),
     (FabricDDP, "process_dataloader", ["self", "dataloader"]),
@@ -97,3 +101,24 @@ def test_fabric_strategy_private_attributes():
 def test_unrepeated_sampler_takes_the_evaluation_loaders_arguments():
     sampler = UnrepeatedDistributedSampler(list(range(5)), num_replicas=2, rank=1, shuffle=False)
     assert list(sampler) == [1, 3]
+
+
+def test_the_survivors_save_reads_the_checkpoint_connector():
+    """lightning_rescue: ``dump_checkpoint(weights_only=False)`` builds the checkpoint without collectives, with the
+    fit loop's state under ``loops/fit_loop`` (replaced by the last step end's); ``fit(ckpt_path="last")`` reads
+    ``OnExceptionCheckpoint.ckpt_path``; Lightning calls the strategy's ``on_exception``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+    from lightning.pytorch.trainer import call
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    assert parameters(_CheckpointConnector.dump_checkpoint) == ["self", "weights_only"]
+    source = inspect.getsource(_CheckpointConnector.dump_checkpoint)
+    assert '"loops": self._get_loops_state_dict()' in source
+    assert '"fit_loop": self.trainer.fit_loop.state_dict()' in inspect.getsource(_CheckpointConnector._get_loops_state_dict)
+    assert "barrier" not in source and "broadcast" not in source and "reduce" not in source
+    assert isinstance(OnExceptionCheckpoint.ckpt_path, property)
+    assert (ModelCheckpoint.CHECKPOINT_NAME_LAST, ModelCheckpoint.FILE_EXTENSION) == ("last", ".ckpt")
+    assert 'getattr(ft, "ckpt_path", None)' in inspect.getsource(_CheckpointConnector._parse_ckpt_path)
+    assert "trainer.strategy.on_exception(exception)" in inspect.getsource(call._interrupt)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert isinstance(trainer._checkpoint_connector, _CheckpointConnector)

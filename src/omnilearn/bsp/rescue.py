@@ -52,13 +52,14 @@ import os
 import signal
 import sys
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 from omnilearn.bsp import checkpointing, sharded
 from omnilearn.checkpoint import CheckpointStore
-from omnilearn.distributed.lost import first_line, peer_lost
+from omnilearn.distributed.lost import first_line, lost_cause, peer_lost
 
 _GUARDED: "weakref.WeakSet[Rescue]" = weakref.WeakSet()  # the sessions sys.excepthook rescues
 
@@ -89,7 +90,8 @@ class Rescue:
         """A peer is gone (``error``): save the last completed step, once; the line said (also on stderr)."""
         if self.rescued is None:
             seen = time.time()
-            self.rescued = f"omnilearn: rank {self.rank} lost a peer at step {self.next_step} ({first_line(error)}); " \
+            said = first_line(lost_cause(error) or error)
+            self.rescued = f"omnilearn: rank {self.rank} lost a peer at step {self.next_step} ({said}); " \
                            + self._save_rescue(seen)
             print(self.rescued, file=sys.stderr, flush=True)
         return self.rescued
@@ -146,3 +148,24 @@ def _excepthook(kind, value, traceback) -> None:
         for session in list(_GUARDED):
             session._lost(value)
     getattr(_excepthook, "previous", sys.__excepthook__)(kind, value, traceback)
+
+
+SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+class RestartStoreWarning(UserWarning):
+    """torchrun restarts are on and its store is shared across them: a restarted group may fail to re-form."""
+
+
+def arm(session: Rescue, saver: Callable[[int], str], who: str) -> None:
+    """A front door's own survivors' save (:meth:`Rescue.rescue_with`), and one warning on rank 0 when a torchrun
+    restart would fail before any of it: a door whose framework makes the process group from torchrun's store
+    (``env://``: accelerate, Lightning) finds it shared across restarts (torch 2.4+), so a restarted group can read
+    the dead attempt's peer addresses (gloo: ``connectFullMesh ... Connection refused``, or a hang)."""
+    session.rescue_with(saver)
+    env = os.environ
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if session.is_main and restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        warnings.warn(f"torchrun --max-restarts {restarts}: a restart of {who} would read the dead attempt's peer "
+                      f"addresses from torchrun's shared store; launch with {SHARED_STORE_FIX} in the environment "
+                      "(docs/failures.md, 'A crash costs one step')", RestartStoreWarning, stacklevel=3)

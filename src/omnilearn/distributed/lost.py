@@ -36,14 +36,18 @@ class PeerLost(RuntimeError):
 
 def peer_lost(error: BaseException | None) -> bool:
     """Whether ``error`` (or an error it was raised from) is a collective failing because a peer is gone."""
-    seen = 0
+    return lost_cause(error) is not None
+
+
+def lost_cause(error: BaseException | None) -> BaseException | None:
+    """The deepest error in ``error``'s chain that says a peer is gone (the backend's own, not a wrapper that
+    quotes it), or None."""
+    found, seen = None, 0
     while error is not None and seen < 8:
-        if isinstance(error, PeerLost):
-            return True
-        if isinstance(error, RuntimeError) and _LOST.search(str(error)):
-            return True
+        if isinstance(error, PeerLost) or (isinstance(error, RuntimeError) and _LOST.search(str(error))):
+            found = error
         error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
+    return found
 
 
 def first_line(error: BaseException, limit: int = 120) -> str:

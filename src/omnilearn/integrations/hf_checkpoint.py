@@ -35,6 +35,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_N
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME
 
+from omnilearn.bsp.rescue import RestartStoreWarning, arm  # noqa: F401  (re-exported)
 from omnilearn.bsp.checkpointing import from_bytes, gathered_state, session_state, to_bytes
 from omnilearn.commit import claimed, commit, sync_tree
 from omnilearn.observe.rundir import sync
@@ -80,25 +81,11 @@ def save(session: Any, folder: str | Path, write_folder: Callable[[], object], *
                            "complete checkpoint is kept")
 
 
-SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
-
-
 def arm_rescue(session: Any, saver: Callable[[int], str]) -> None:
-    """Let the session's survivors save Trainer folders (:func:`rescue_trainer`), and say once, on rank 0, when a
-    torchrun restart would fail before any of it: accelerate makes the process group from torchrun's store
-    (``env://``), which torch 2.4+ shares across restarts, so a restarted group reads the dead attempt's peer
-    addresses (gloo: ``connectFullMesh ... Connection refused``, or a hang)."""
-    session.rescue_with(saver)
-    env = os.environ
-    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if session.is_main and restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        warnings.warn(f"torchrun --max-restarts {restarts}: a restart of this Trainer would read the dead attempt's "
-                      f"peer addresses from torchrun's shared store; launch with {SHARED_STORE_FIX} in the "
-                      "environment (docs/failures.md, 'A crash costs one step')", RestartStoreWarning, stacklevel=3)
-
-
-class RestartStoreWarning(UserWarning):
-    """torchrun restarts are on and its store is shared across them: accelerate's group would fail to re-form."""
+    """Let the session's survivors save Trainer folders (:func:`rescue_trainer`); rank 0 warns once when a torchrun
+    restart would fail before any of it (:func:`omnilearn.bsp.rescue.arm`: accelerate makes the process group from
+    torchrun's store, which torch shares across restarts)."""
+    arm(session, saver, "this Trainer")
 
 
 def rescue_trainer(trainer: Any, step: int) -> str:

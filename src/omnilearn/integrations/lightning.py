@@ -13,18 +13,13 @@ Lightning's DDP strategy with an OmniLearn session inside, one per ``fit()``
 - the batch: ``global_batch``/``local_batch`` if given, else the training
   ``DataLoader``'s ``batch_size`` x ``accumulate_grad_batches`` per process,
   as DDP would train (:mod:`omnilearn.integrations.lightning_session`);
-- the training ``DataLoader`` is rebuilt by ``Session.data_loader`` with its
-  own settings (:mod:`omnilearn.integrations.lightning_data`): each step
-  hands this worker its share ``b_i`` of the global batch; validation and
-  test loaders are sharded, disjoint, over the ranks; predict is sharded by
-  Lightning itself, as under ``DDPStrategy`` (each sample once). The
-  Trainer's ``use_distributed_sampler=False`` leaves evaluation loaders as
-  they are;
-- ``Trainer(accumulate_grad_batches=K)`` becomes the session's exact
-  accumulation: each optimizer step is ``K`` micro-batches of the worker's
-  share; Lightning's ``backward`` goes through ``Session.backward`` (the
-  weight ``m_ij/b_i``, the sync on the last micro-batch only; Lightning's
-  ``1/K`` loss scaling is undone first);
+- the training ``DataLoader`` is rebuilt by ``Session.data_loader`` with its own settings
+  (:mod:`omnilearn.integrations.lightning_data`): each step hands this worker its share ``b_i``; validation and
+  test are sharded, disjoint, over the ranks; predict by Lightning itself, as under ``DDPStrategy``. The
+  Trainer's ``use_distributed_sampler=False`` leaves evaluation loaders as they are;
+- ``Trainer(accumulate_grad_batches=K)`` becomes the session's exact accumulation: each optimizer step is ``K``
+  micro-batches of the worker's share; ``backward`` goes through ``Session.backward`` (the weight ``m_ij/b_i``,
+  the sync on the last micro-batch only; Lightning's ``1/K`` loss scaling undone first);
 - after each optimizer step ``Session.step()``: the session's step count
   is Lightning's ``global_step`` (checked every step); every control
   interval the controller may move batches; rank 0 logs each worker's batch
@@ -45,30 +40,30 @@ Lightning's DDP strategy with an OmniLearn session inside, one per ``fit()``
   continues a run (a checkpoint, or the previous fit) appends to the run
   directory ``out`` already holds, as ``omnilearn train --resume`` does.
 
-Refused in one line (:mod:`omnilearn.integrations.lightning_options`): DDP
-comm hooks and model averaging, buffer broadcasting, ``total_steps`` /
-``accumulation_steps`` / ``device`` keywords (the Trainer's), DDP's
-``mixed_precision`` and delayed all-reduce, the Trainer's ``16-mixed``
-``GradScaler``, ``sync_batchnorm``, ``limit_train_batches`` /
-``fast_dev_run`` / ``overfit_batches``, more than one optimizer, an
-overridden ``LightningModule.backward``, a changing
-``accumulate_grad_batches``, a resume from a checkpoint without OmniLearn's
-state (docs/lightning.md lists every flag, honoured or refused). Lightning
-versions outside the tested range are refused at setup
-(:func:`omnilearn.versions.require_tested`). Lightning handles SIGTERM
-(``handle_signals=False`` unless given). Custom loops: Lightning Fabric's
+- a peer that dies: a survivor writes the last completed step as the
+  Trainer's ``OnExceptionCheckpoint`` file, without collectives, and
+  ``fit(ckpt_path="last")`` resumes it (:mod:`omnilearn.integrations.lightning_rescue`).
+
+Refused in one line (:mod:`omnilearn.integrations.lightning_options`; docs/lightning.md lists every flag, honoured
+or refused): DDP comm hooks and model averaging, buffer broadcasting, the Trainer's own keywords given to the
+strategy, DDP's ``mixed_precision`` and delayed all-reduce, ``16-mixed``, ``sync_batchnorm``, the
+``limit_train_batches`` family, several optimizers, an overridden ``backward``, a changing
+``accumulate_grad_batches``, a checkpoint without OmniLearn's state, Lightning versions outside the tested range.
+Lightning handles SIGTERM (``handle_signals=False`` unless given; its handler cannot raise a lost peer's error). Custom loops: Lightning Fabric's
 :class:`~omnilearn.integrations.lightning_fabric.OmniLearnFabricStrategy`; the guide is docs/lightning.md.
 
 Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py tests/dist/test_lightning_exact.py
 tests/dist/test_lightning_trust.py tests/dist/test_lightning_resume.py tests/unit/test_lightning_private_names.py
-tests/examples/test_lightning_example.py``
+tests/examples/test_lightning_example.py tests/faults/test_rescue_lightning.py``
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
+
+import torch
 
 try:
     import lightning.pytorch as pl
@@ -80,11 +75,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import omnilearn
 from omnilearn.bsp.checkpointing import gathered_state
+from omnilearn.distributed.group import join_torchrun
 from omnilearn.bsp.wrap import release
 from omnilearn.config import ConfigError
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
+from omnilearn.integrations import lightning_rescue
 from omnilearn.integrations.lightning_options import refuse_sharded, refuse_trainer_flags, split_options
-from omnilearn.integrations.lightning_session import load_resumed, with_loader_batch
+from omnilearn.integrations.lightning_session import continued_run, load_resumed, with_loader_batch
 from omnilearn.versions import require_tested
 
 STATE_KEY = "omnilearn"  # the session's state in a Lightning checkpoint
@@ -94,10 +91,11 @@ class _BatchLogger(pl.Callback):
     """After each optimizer step: the one-step-counter check, and each worker's batch to Lightning's logger."""
 
     def __init__(self, strategy: "OmniLearnStrategy") -> None:
-        self.strategy, self.logged = strategy, -1
+        self.strategy, self.logged, self.rescuing = strategy, -1, False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.logged = self.strategy.session.steps_done
+        self.rescuing = self.strategy.world_size > 1 and lightning_rescue.target(trainer) is not None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -108,12 +106,14 @@ class _BatchLogger(pl.Callback):
         if session.steps_done != trainer.global_step:
             raise RuntimeError(f"OmniLearn's session is at step {session.steps_done} but trainer.global_step is "
                                f"{trainer.global_step}: one Session.step() per optimizer step was broken")
+        if self.rescuing:  # what a survivor's save holds of Lightning's loop (lightning_rescue)
+            self.strategy.boundary.mark(trainer, session.steps_done)
         if trainer.logger is not None and session.is_main:
             metrics = {f"omnilearn/batch_rank{r}": float(b) for r, b in enumerate(session.batches)}
             trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
 
-class OmniLearnStrategy(DDPStrategy):
+class OmniLearnStrategy(lightning_rescue.SurvivorSave, DDPStrategy):
     """Lightning's DDP strategy with OmniLearn's balanced batches, weighted gradients and controller."""
 
     strategy_name = "omnilearn"
@@ -130,6 +130,7 @@ class OmniLearnStrategy(DDPStrategy):
         self._carry: dict | None = None  # the state the next training loader's session loads
         self._paused = None
         self._sampler_choice: tuple[int, bool] | None = None  # (the Trainer, its use_distributed_sampler)
+        self.boundary = lightning_rescue.Boundary()  # the fit loop at the last step's end: a survivor saves it
 
     @property
     def evaluation_sharded(self) -> bool:
@@ -151,6 +152,15 @@ class OmniLearnStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_fit()
 
+    def setup_distributed(self) -> None:
+        """Under torchrun the group is made in a key space of this round's own, so a restart after a lost peer
+        re-forms it whatever torchrun's store sharing (:func:`omnilearn.distributed.group.join_torchrun`);
+        Lightning then finds it made."""
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and not torch.distributed.is_initialized():
+            cuda = self.root_device if self.root_device.type == "cuda" else None
+            join_torchrun(self._get_process_group_backend(), self._timeout, device_id=cuda)
+        super().setup_distributed()
+
     def _open_session(self, trainer: pl.Trainer) -> None:
         carry, self._resume_state = self._resume_state, None
         if carry is None and trainer.global_step > 0:
@@ -164,6 +174,7 @@ class OmniLearnStrategy(DDPStrategy):
                                        accumulation_steps=trainer.accumulate_grad_batches, **settings)
         if run_dir is not None and self.session.is_main:
             self.session.run_dir = run_dir  # rank 0's record appends there (a ``resume`` event first)
+        self.session.rescue_with(lambda step: self._rescue(step, STATE_KEY))  # a lost peer: lightning_rescue
         self._carry, self.summary = carry, None
         if not any(isinstance(c, _BatchLogger) and c.strategy is self for c in trainer.callbacks):
             trainer.callbacks.append(_BatchLogger(self))
@@ -195,6 +206,7 @@ class OmniLearnStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._shield_sigterm()  # Lightning's SIGTERM handler cannot cut a step once a peer is gone (lightning_rescue)
         trainer = self.lightning_module.trainer
         if self.session.steps_done != trainer.global_step:
             raise ConfigError(f"trainer.global_step is {trainer.global_step} but OmniLearn's session is at step "
@@ -268,7 +280,10 @@ class OmniLearnStrategy(DDPStrategy):
 
     # --- checkpoints: the session's state rides in Lightning's ---------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Every rank calls it (``Trainer.save_checkpoint``): the session's state, every rank's part, on rank 0."""
+        """Every rank calls it (``Trainer.save_checkpoint``): the session's state, every rank's part, on rank 0.
+        After a lost peer, nothing (the survivors saved already; this save's collectives would fail)."""
+        if self._peer_lost():
+            return
         if self.session is not None and self.session.loader is not None:
             if not self.session.interval_ended and self.session.model is not None:
                 self.session.sync_buffers()
@@ -283,15 +298,3 @@ class OmniLearnStrategy(DDPStrategy):
             self._resume_state = checkpoint.get(STATE_KEY)
         return checkpoint
 
-
-def continued_run(settings: dict[str, Any], carry: dict | None) -> tuple[dict[str, Any], Path | None]:
-    """(``omnilearn.setup()`` keywords, the run directory to append to): a fit that continues a run keeps its record.
-
-    Like ``omnilearn train --resume``: when the session loads a previous state (a checkpoint, or the previous fit)
-    and ``out`` already holds a run, the record goes on in it (steps from the resume on; a ``resume`` event voids
-    any later records) instead of ``out`` being prepared anew, which would delete it.
-    """
-    out = settings.get("out")
-    if carry is None or out is None or not (Path(out) / "config.toml").is_file():
-        return dict(settings), None
-    return {k: v for k, v in settings.items() if k not in ("out", "overwrite")}, Path(out)

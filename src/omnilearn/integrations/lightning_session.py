@@ -12,6 +12,8 @@
   setting, a training ``DataLoader`` whose ``batch_size`` x
   ``accumulation_steps`` x processes is not the session's global batch is
   refused in one line naming the ``local_batch=`` that matches it.
+- :func:`continued_run`: a fit that continues a run (a checkpoint, or the
+  previous fit) appends to the run directory ``out`` already holds.
 - :func:`load_resumed`: ``Session.load_state_dict``; a checkpoint the session
   refuses (another global batch, seed, dataset length...) is a
   :class:`~omnilearn.config.ConfigError` in one line naming the door and its
@@ -24,6 +26,7 @@ Run: ``python -m pytest -q tests/dist/test_lightning_trust.py tests/dist/test_li
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Callable
 
 from omnilearn.config import ConfigError, api_wording
@@ -72,3 +75,16 @@ def load_resumed(session: Any, state: dict, who: str) -> None:
         session.load_state_dict(state)
     except ValueError as e:  # ConfigError included
         raise ConfigError(f"{who} cannot resume this checkpoint: {door_wording(str(e), who)}") from None
+
+
+def continued_run(settings: dict[str, Any], carry: dict | None) -> tuple[dict[str, Any], Path | None]:
+    """(``omnilearn.setup()`` keywords, the run directory to append to): a fit that continues a run keeps its record.
+
+    Like ``omnilearn train --resume``: when the session loads a previous state (a checkpoint, or the previous fit)
+    and ``out`` already holds a run, the record goes on in it (steps from the resume on; a ``resume`` event voids
+    any later records) instead of ``out`` being prepared anew, which would delete it.
+    """
+    out = settings.get("out")
+    if carry is None or out is None or not (Path(out) / "config.toml").is_file():
+        return dict(settings), None
+    return {k: v for k, v in settings.items() if k not in ("out", "overwrite")}, Path(out)
