@@ -12,6 +12,8 @@ restarts by itself:
   ``torchrun --standalone --max-restarts 1``, rank 2 killed;
 - ``two agents``: the same script under two torchrun agents with a c10d rendezvous (``--nnodes 1:2``, in network
   namespaces of their own where this runs as root), node B's agent and worker killed: the job goes on on A;
+- ``tensorflow``: ``omnilearn train --framework tensorflow`` (the default job, 2 TensorFlow workers), as ``cli``:
+  a survivor writes the ``step-<N>/`` checkpoint (``session.json``'s ``rescue.seen_at``; no save time recorded);
 - ``hf trainer``: ``OmniLearnTrainer`` (tests/faults/hf_rescue_script.py: a float64 1-layer GPT-2, 2 workers)
   under ``torchrun --standalone --max-restarts 1``, rank 0 killed at the end of step K: rank 1 saves the
   Trainer folder (its restart counts from the kill; its first step from the process start);
@@ -57,23 +59,45 @@ def rescue_meta(ckpt: Path) -> dict:
     return {"step": m["step"], "seen_at": m["meta"]["rescue"]["seen_at"], "saved_at": m["saved_at"]}
 
 
-def cli(out: Path) -> dict:
+def launched(out: Path, what: str, *flags: str) -> tuple[list[dict], float]:
+    """``omnilearn train`` (2 workers, ``flags`` more) with worker 1 killed after step KILL - 1 and one restart:
+    the run's events and the kill's time."""
     stamp = out / "killed-at.txt"
     env = {**os.environ, "OMNILEARN_FAULT_KILL_AT": f"1:{KILL}", "OMNILEARN_FAULT_STAMP": str(stamp)}
     cmd = [sys.executable, "-m", "omnilearn", "train", "--out", str(out / "run"), "--workers", "2", "--speeds", "2,1",
            "--max-steps", "30", "--control-interval", "5", "--checkpoint-every", "1000", "--max-restarts", "1",
-           "--no-plots"]
+           "--no-plots", *flags]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"crash_cost: omnilearn train failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"crash_cost: {what} failed:\n{done.stderr[-3000:]}")
     events = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    resume = next(e for e in events if e.get("event") == "resume")
-    load_s = next(e["load_s"] for e in events if e.get("event") == "checkpoint_loaded")
+    return events, float(stamp.read_text())
+
+
+def resumed(events: list[dict]) -> tuple[dict, float]:
+    """The restart's ``resume`` event and its checkpoint's load time."""
+    return (next(e for e in events if e.get("event") == "resume"),
+            next(e["load_s"] for e in events if e.get("event") == "checkpoint_loaded"))
+
+
+def cli(out: Path) -> dict:
+    events, killed = launched(out, "omnilearn train")
+    resume, load_s = resumed(events)
     meta = rescue_meta(out / "run" / "checkpoints")
-    killed = float(stamp.read_text())
     return {"lost": KILL - resume["step"], "detection": meta["seen_at"] - killed,
             "save": meta["saved_at"] - meta["seen_at"], "restart": resume["at"] - load_s - meta["saved_at"],
             "start-up": None, "load": load_s, "first step": None, "total": resume["at"] - killed}
+
+
+def tensorflow(out: Path) -> dict:
+    """``omnilearn train --framework tensorflow``: the survivor's ``session.json`` records when it saw the error."""
+    events, killed = launched(out, "omnilearn train --framework tensorflow", "--framework", "tensorflow")
+    resume, load_s = resumed(events)
+    state = max((out / "run" / "checkpoints").glob("step-*/session.json"))
+    seen = json.loads(state.read_text())["rescue"]["seen_at"]
+    return {"lost": KILL - resume["step"], "detection": seen - killed, "save": None,
+            "restart": resume["at"] - load_s - seen, "start-up": None, "load": load_s, "first step": None,
+            "total": resume["at"] - killed}
 
 
 def script_parts(out: Path) -> dict:
@@ -137,7 +161,8 @@ def framework_door(out: Path, script: Path, workers: int, what: str) -> dict:
             "total": again["first_step"] - kill["at"], "workers": again["world"]}
 
 
-DOORS = {"cli": cli, "torchrun": torchrun, "two agents": two_agents, "hf trainer": hf, "lightning": lightning}
+DOORS = {"cli": cli, "tensorflow": tensorflow, "torchrun": torchrun, "two agents": two_agents, "hf trainer": hf,
+         "lightning": lightning}
 PARTS = ("detection", "save", "restart", "start-up", "load", "first step", "total")
 
 

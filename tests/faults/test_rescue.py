@@ -20,6 +20,7 @@ Run: ``python -m pytest -q tests/faults/test_rescue.py``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,8 @@ def test_a_killed_worker_costs_the_step_in_flight(whole, tmp_path, monkeypatch, 
     assert store.manifest(17)["meta"]["rescue"]["rank"] == 0
     assert [e["step"] for e in raw_events(run, "resume")] == [17]
     assert same_weights(whole, run)
+    # the record counts every step trained, the rescued open window's too (its rows are not kept)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 30
 
 
 def test_rank_zero_killed_the_others_save(whole, tmp_path, monkeypatch, capfd):

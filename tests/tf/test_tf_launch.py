@@ -138,7 +138,8 @@ if ol.is_main:
 
 def test_a_keras_fit_with_backup_and_restore_survives_a_killed_worker(tmp_path):
     """``fit`` with Keras' ``BackupAndRestore(save_freq=4)`` on 2 launched workers (float64), worker 1 killed at
-    step 14, ``--max-restarts 1``: every worker restarts, the fit resumes at step 12 (epoch 1, batch 4: 8 steps an
+    step 14, ``--max-restarts 1``: the survivor saves step 14 into the backup directory (a crash costs one step;
+    the last backup was step 12), every worker restarts, the fit resumes at step 14 (epoch 1, batch 6: 8 steps an
     epoch) and ends with the weights of one uninterrupted process (the same script, no kill); the backup is
     removed at the end, as Keras removes it."""
     from test_tf_train import float64_keras_home
@@ -156,7 +157,7 @@ def test_a_keras_fit_with_backup_and_restore_survives_a_killed_worker(tmp_path):
                   str(out), env=home)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "TensorFlow worker 1 failed (killed by SIGKILL)" in done.stderr and "restart 1 of 1" in done.stderr
-    assert "resumed at step 12 with 2 workers" in done.stdout
+    assert "resumed at step 14 with 2 workers" in done.stdout
     history = json.loads((out / "history.json").read_text())
     assert history["epoch"] == [1, 2, 3] and not (out / "backup").exists()
     with np.load(alone / "weights.npz") as a, np.load(out / "weights.npz") as b:

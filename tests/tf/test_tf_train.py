@@ -9,8 +9,10 @@ Three runs of the default job, made once for the module, with the recipe of the 
 - ``pt3``: the same plan on the PyTorch runtime (gloo), fed the same timings;
 - ``tf1``: one TensorFlow worker, same seed and global batch.
 
-Two more runs resume ``tf3``'s recipe from a checkpoint: worker 1 killed at step 20 and restarted by
-``--max-restarts 1``, and a run killed there resumed on 2 workers (elastic); both end with ``tf3``'s weights.
+Two more runs resume ``tf3``'s recipe after worker 1 is killed at step 20, with a periodic checkpoint every 12
+steps: the survivors save step 20 themselves (:mod:`omnilearn.tf.rescue`), so a run restarted by
+``--max-restarts 1``, and one resumed on 2 workers (elastic), go on from step 20, not 12; both end with
+``tf3``'s weights.
 
 The TensorFlow runs compute in float64 (``floatx`` in a ``keras.json`` under
 ``KERAS_HOME``, which every worker process reads). Then: the three TensorFlow
@@ -135,9 +137,9 @@ def assert_same_weights(ran: Path, reference: Path) -> None:
 
 def test_a_killed_worker_is_restarted_from_the_checkpoint_and_the_run_ends_with_the_uninterrupted_weights(
         runs, monkeypatch, capsys):
-    """``tf3`` again with a checkpoint every 12 steps, worker 1 killed at step 20, ``--max-restarts 1``: every
-    worker restarts from the checkpoint of step 12, trains on the same split as the uninterrupted run (the
-    controller's state is in the checkpoint) and ends with its weights."""
+    """``tf3`` again with a checkpoint every 12 steps, worker 1 killed at step 20, ``--max-restarts 1``: a
+    survivor saves step 20 (a crash costs one step), every worker restarts from it, trains on the same split as
+    the uninterrupted run (the controller's state is in the checkpoint) and ends with its weights."""
     monkeypatch.setenv("KERAS_HOME", str(runs / "keras-float64"))
     monkeypatch.setenv(SCRIPTED_ENV, SCRIPTED)
     monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "1:20")
@@ -145,19 +147,22 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint_and_the_run_ends_with_
     summary = train(out, "--framework", "tensorflow", "--speeds", "4,2,1", *STEPS, "--checkpoint-every", "12",
                     "--max-restarts", "1")
     err = capsys.readouterr().err
-    assert "TensorFlow worker 1 failed (killed by SIGKILL)" in err and "restart 1 of 1 from the checkpoint of step 12" \
+    assert "TensorFlow worker 1 failed (killed by SIGKILL)" in err and "restart 1 of 1 from the checkpoint of step 20" \
         in err, err[-3000:]
-    assert [e["step"] for e in events(out, "resume")] == [12] and summary["steps"] == 36
+    assert [e["step"] for e in events(out, "resume")] == [20] and summary["steps"] == 36
+    rescued = json.loads((out / "checkpoints" / "step-000000020" / "session.json").read_text())["rescue"]
+    assert rescued["worker"] in (0, 2)
     assert (out / "failures" / "attempt-1" / "tf-worker1.log").exists()
     splits = lambda name: [(e["step"], e["rank"], e["batch"]) for e in read_metrics(runs / name, "step")
-                           if e["step"] >= 12]  # as the run stands: the redone steps once
+                           if e["step"] >= 20]  # as the run stands: the redone steps once
     assert splits("restarted") == splits("tf3")  # the same split after the resume: a fixed path
     assert_same_weights(out, runs / "tf3")
 
 
 def test_a_run_of_three_workers_resumes_on_two_and_ends_with_the_uninterrupted_weights(runs, monkeypatch):
-    """Elastic: ``tf3`` killed at step 20 (no restart), then ``--resume --workers 2``: the global batch and the
-    samples of every step are the same, so the weights are too (float64: only the sum's order differs)."""
+    """Elastic: ``tf3`` killed at step 20 (no restart: the survivors save step 20), then ``--resume --workers 2``:
+    the global batch and the samples of every step are the same, so the weights are too (float64: only the sum's
+    order differs)."""
     monkeypatch.setenv("KERAS_HOME", str(runs / "keras-float64"))
     monkeypatch.setenv(SCRIPTED_ENV, SCRIPTED)
     out = runs / "elastic"
@@ -167,7 +172,7 @@ def test_a_run_of_three_workers_resumes_on_two_and_ends_with_the_uninterrupted_w
     monkeypatch.delenv("OMNILEARN_FAULT_KILL_AT")
     monkeypatch.setenv(SCRIPTED_ENV, "0.01:0.0001,0.0004")
     summary = train(out, "--framework", "tensorflow", "--resume", "--workers", "2", "--speeds", "2,1")
-    assert [(e["step"], e["workers"], e["from_workers"]) for e in events(out, "resume")] == [(12, 2, 3)]
+    assert [(e["step"], e["workers"], e["from_workers"]) for e in events(out, "resume")] == [(20, 2, 3)]
     assert summary["steps"] == 36 and {e["rank"] for e in events(out, "step") if e["step"] >= 30} == {0, 1}
     assert_same_weights(out, runs / "tf3")
 

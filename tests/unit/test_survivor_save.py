@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omnilearn.checkpoint import CheckpointStore
-from omnilearn.distributed.lost import PeerLost, first_line, peer_lost
+from omnilearn.distributed.lost import PeerLost, first_line, peer_lost, why_lost
 
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
               "[127.0.0.1]:22181: Connection reset by peer. This is typically caused by a remote worker hanging or "
@@ -53,6 +53,30 @@ def test_a_wrapped_lost_peer_is_seen_through_its_cause():
 def test_the_line_is_short():
     assert first_line(RuntimeError(GLOO_CLOSED)) == "Connection closed by peer [127.0.0.1]:56023"
     assert first_line(RuntimeError("")) == "RuntimeError"
+
+
+class UnavailableError(Exception):
+    """Stands for TensorFlow's (no TensorFlow here): its module is what tells a backend's error."""
+
+
+UnavailableError.__module__ = "tensorflow.python.framework.errors_impl"
+TF_ABORTED = ("Graph execution error:\n\nDetected at node sgd/CollectiveReduceV2 defined at ...\nCollective ops is "
+              "aborted by: recvmsg:Connection reset by peer\nAdditional GRPC error information from remote target "
+              "/job:worker/replica:0/task:1\nThe error could be from a previous operation. Restart your program.")
+
+
+def test_tensorflows_aborted_collective_is_a_lost_peer_and_its_line_the_one_that_says_so():
+    assert peer_lost(UnavailableError(TF_ABORTED))
+    assert why_lost(UnavailableError(TF_ABORTED)) == "Collective ops is aborted by: recvmsg:Connection reset by peer"
+    assert not peer_lost(UnavailableError("Graph execution error: Deadline Exceeded"))  # a timeout: not a death
+    try:  # the deepest error that says so, not a wrapper quoting it
+        try:
+            raise RuntimeError(GLOO_CLOSED)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank 1 waited at sync_buffers() and the others did not come ({GLOO_CLOSED[:80]})") \
+                from e
+    except RuntimeError as e:
+        assert why_lost(e) == "Connection closed by peer [127.0.0.1]:56023"
 
 
 def state(value: float) -> dict:

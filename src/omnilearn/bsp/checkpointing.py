@@ -207,6 +207,8 @@ def session_state(session: Session, rows: bool = True) -> dict:
         mine["loader_generator"] = loader_rng
     if session.telemetry is not None:
         mine["telemetry"] = session.telemetry.state_dict()
+        if not rows:  # the open window's steps are trained but never recorded now: the run's count has them
+            mine["telemetry"]["steps"] = session.next_step
     return {"format": STATE_FORMAT, "world_size": session.world_size, "global_batch": session.cfg.global_batch,
             "steps_done": session.steps_done, "next_step": session.next_step, "train_s": session.clock.at_last_step_s,
             "loop": session.loop.state_dict(), "schedule": session.schedule.state_dict(),

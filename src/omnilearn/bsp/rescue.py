@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 from omnilearn.bsp import checkpointing, sharded
 from omnilearn.checkpoint import CheckpointStore
-from omnilearn.distributed.lost import first_line, lost_cause, peer_lost
+from omnilearn.distributed.lost import first_line, peer_lost, why_lost
 
 _GUARDED: "weakref.WeakSet[Rescue]" = weakref.WeakSet()  # the sessions sys.excepthook rescues
 
@@ -90,7 +90,7 @@ class Rescue:
         """A peer is gone (``error``): save the last completed step, once; the line said (also on stderr)."""
         if self.rescued is None:
             seen = time.time()
-            said = first_line(lost_cause(error) or error)
+            said = why_lost(error)
             self.rescued = f"omnilearn: rank {self.rank} lost a peer at step {self.next_step} ({said}); " \
                            + self._save_rescue(seen)
             print(self.rescued, file=sys.stderr, flush=True)

@@ -73,6 +73,7 @@ from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.recorder import ROW_FIELDS, Telemetry
 from omnilearn.runplan import RunPlan, plan_run
 from omnilearn.stopping import stop_requested
+from omnilearn.tf import rescue
 from omnilearn.tf.checkpointing import Checkpoints
 from omnilearn.tf.cluster import Cluster
 from omnilearn.tf.data import examples
@@ -128,6 +129,8 @@ class TFSession:
         self.checkpoints: Checkpoints | None = None
         self.resume = False  # load the newest checkpoint once wrap() and data() are done
         self.restarted = False  # this run continues one in its run directory (resume, a launcher's restart)
+        self.rescued: str | None = None  # the line said once a peer was lost (omnilearn.tf.rescue)
+        self.iterations_at: tuple[int, int] | None = None  # (steps done, optimizer.iterations) then: the rescue's mark
 
     rank = property(lambda self: self.cluster.rank)
     world_size = property(lambda self: self.cluster.world_size)
@@ -248,17 +251,27 @@ class TFSession:
         if len(x) != batch:
             raise ValueError(f"step() got {len(x)} samples but this worker's batch at step {step} is {batch}; "
                              "pass the batch the loader handed out")
-        loss = self.train_step(x, y, batch / self.cfg.global_batch)
+        if self.iterations_at is None:
+            self.iterations_at = rescue.iterations_mark(self)
+        try:
+            loss = self.train_step(x, y, batch / self.cfg.global_batch)
+        except Exception as e:  # a lost peer: this worker saves the step before (omnilearn.tf.rescue)
+            rescue.lost(self, e)
+            raise
         times = self.timer.end()
         self.rows.append([step, batch, times.compute_s, times.wait_s, times.step_s, loss, times.delay_s,
                           self.learning_rate()])
         self.open_step, self.steps_done, self.next_step = None, self.steps_done + 1, step + 1
         size = len(self.rows)
         interval = size == self.cfg.control_interval or step + 1 == self.run.total_steps
-        if interval:
-            self._end_window(step, INTERVAL)
-        elif self.check_every and self.checks_on and size % self.check_every == 0:
-            self._end_window(step, CHECK)
+        try:
+            if interval:
+                self._end_window(step, INTERVAL)
+            elif self.check_every and self.checks_on and size % self.check_every == 0:
+                self._end_window(step, CHECK)
+        except Exception as e:  # the step is counted: a lost peer's survivor saves it
+            rescue.lost(self, e)
+            raise
         self.clock.step_ended()
         if interval and self.checkpoints is not None and self.checkpoints.due():
             with self.paused():
@@ -295,6 +308,8 @@ class TFSession:
             if decision is None:
                 return
         self.rows = []
+        if kind == INTERVAL:
+            self.iterations_at = rescue.iterations_mark(self)
         if self.telemetry is not None:
             start, fields = HEADER + WINDOW_FIELDS + 1, len(ROW_FIELDS)
             rows = [np.asarray(r[start : start + int(r[start - 1]) * fields]).reshape(-1, fields).tolist()

@@ -216,8 +216,8 @@ def supervise(workers: int, device: str, run_dir: Path, command: list[str], extr
                                        f"(log: {log_path(run_dir, rank)})")
                 time.sleep(POLL_S)
         finally:
-            if any(p.poll() is None for p in procs):
-                stop(procs)
+            if any(p.poll() is None for p in procs):  # after a worker died: time for a survivor's save first
+                stop(procs, StopWait([run_dir], interval).failure_grace_s() if first is not None else GRACE_S)
             for beat in run_dir.glob(".beat-*"):
                 beat.unlink(missing_ok=True)
     _outcome(procs, run_dir, first)
