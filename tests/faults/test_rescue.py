@@ -11,6 +11,10 @@ resumes there, and the run ends with the uninterrupted run's weights. Real worke
 - Killed during that save (``OMNILEARN_FAULT_RESCUE=kill``: between its ``.pt`` and its manifest): the cut
   save does not count, the restart takes the periodic checkpoint of step 10, still ends exact, and the next
   save sweeps the cut one.
+- Rank 1 hangs after step 16 (``OMNILEARN_FAULT_HANG_AT``: SIGSTOP, no error anywhere): rank 0 waits in step
+  17's all-reduce until the heartbeat watchdog names rank 1 (``--heartbeat-s 3``); before the verdict ends rank
+  0, it saves step 17 from the watchdog's thread (the main thread waits in the all-reduce: nothing moves), and
+  the restart resumes there, bitwise the uninterrupted run's weights.
 
 The torchrun doors (one agent; two agents with a c10d rendezvous, one losing its node) are in
 tests/faults/test_rescue_torchrun.py; the pieces in one process in tests/unit/test_survivor_save.py.
@@ -101,4 +105,15 @@ def test_a_kill_during_the_survivors_save_leaves_no_checkpoint_that_counts(whole
     assert 17 not in store.steps()
     assert not store.path(17).exists()  # the cut .pt was swept by the next save
     assert not list((run / "checkpoints").glob(".*"))  # nor a claim or a temporary file left
+    assert same_weights(whole, run)
+
+
+def test_a_hung_peer_named_by_the_watchdog_costs_one_step_too(whole, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("OMNILEARN_FAULT_HANG_AT", "1:17")
+    run = tmp_path / "run"
+    assert train(run, "--checkpoint-every", "1000", "--max-restarts", "1", "--heartbeat-s", "3") == 0
+    err = capfd.readouterr().err
+    assert "omnilearn: rank 0 lost a peer at step 17 (worker rank 1 stopped answering: no heartbeat" in err
+    assert "restart 1 of 1 from the checkpoint of step 17" in err
+    assert [e["step"] for e in raw_events(run, "resume")] == [17]
     assert same_weights(whole, run)

@@ -41,7 +41,10 @@ flag (``handle_signals=True``), so the save finishes; the launcher allows it
 
 Not rescued: FSDP2 (each rank holds a shard; the survivors' shards are not
 the model): one line names the last checkpoint the restart will use. A hung
-peer (a timeout, the watchdog): the step boundary is not known.
+peer the heartbeat watchdog names (no error: a SIGSTOP, a frozen VM) is
+rescued from the watchdog's thread while this rank waits in the open step's
+gradient all-reduce (:meth:`Rescue._hung`); past it, or with no watchdog (a
+timeout), the step boundary is not known: nothing is saved.
 
 Run: ``python -m pytest -q tests/unit/test_survivor_save.py tests/faults/test_rescue.py``
 """
@@ -59,7 +62,8 @@ from typing import Any, Callable
 
 from omnilearn.bsp import checkpointing, sharded
 from omnilearn.checkpoint import CheckpointStore
-from omnilearn.distributed.lost import first_line, peer_lost, why_lost
+from omnilearn.distributed import watchdog
+from omnilearn.distributed.lost import PeerLost, first_line, peer_lost, why_lost
 
 _GUARDED: "weakref.WeakSet[Rescue]" = weakref.WeakSet()  # the sessions sys.excepthook rescues
 
@@ -96,6 +100,21 @@ class Rescue:
             print(self.rescued, file=sys.stderr, flush=True)
         return self.rescued
 
+    def _hung(self, verdict: str) -> None:
+        """The watchdog named a hung peer and ends this process next (its thread calls this). While this rank waits
+        in the open step's gradient all-reduce, the weights and optimizer are still the last step's and the main
+        thread touches nothing: save them, as for a dead peer. Past that wait the optimizer may be mid-update:
+        nothing is saved, and the line says so."""
+        if self.rescued is not None:
+            return
+        if self.ledger.open is None or self.timer.reduced_s:
+            self.rescued = (f"omnilearn: rank {self.rank}: {verdict}; nothing was saved: this rank was past the "
+                            "step's gradient all-reduce (its optimizer may be mid-update); a restart resumes from "
+                            "the last checkpoint")
+            print(self.rescued, file=sys.stderr, flush=True)
+            return
+        self._lost(PeerLost(verdict))
+
     def _save_rescue(self, seen: float) -> str:
         if self.rescue_saver is not None:
             try:
@@ -131,8 +150,10 @@ def _fault() -> None:
 
 
 def guard(session: Rescue) -> None:
-    """Rescue ``session`` when a lost peer's error leaves the script uncaught (``sys.excepthook``, chained)."""
+    """Rescue ``session`` when a lost peer's error leaves the script uncaught (``sys.excepthook``, chained), and
+    when the heartbeat watchdog names a hung peer (:func:`omnilearn.distributed.watchdog.before_exit`)."""
     _GUARDED.add(session)
+    watchdog.before_exit(_hung)
     if sys.excepthook is not _excepthook:
         _excepthook.previous = sys.excepthook  # type: ignore[attr-defined]
         sys.excepthook = _excepthook
@@ -141,6 +162,11 @@ def guard(session: Rescue) -> None:
 def unguard(session: Rescue) -> None:
     """``session`` is done (released): no longer rescued by the hook."""
     _GUARDED.discard(session)
+
+
+def _hung(verdict: str) -> None:
+    for session in list(_GUARDED):
+        session._hung(verdict)
 
 
 def _excepthook(kind, value, traceback) -> None:

@@ -155,10 +155,25 @@ def read_error_logs(log_dir: Path, since: float = 0.0) -> list[ErrorLog]:
     return sorted(log for log in logs if log is not None and log.stamp >= since)
 
 
+_BEFORE_EXIT: list[Callable[[str], None]] = []  # what runs before a verdict ends this process (a survivor's save)
+
+
+def before_exit(fn: Callable[[str], None]) -> None:
+    """Run ``fn(verdict)`` in the watchdog's thread before :func:`exit_on_lost` ends the process (once each)."""
+    if fn not in _BEFORE_EXIT:
+        _BEFORE_EXIT.append(fn)
+
+
 def exit_on_lost(rank: int, log_dir: Path | None, echo: bool = True) -> Callable[[str], None]:
-    """What a watchdog does by default with a verdict: write the error log, say it on stderr, exit the process."""
+    """What a watchdog does by default with a verdict: the :func:`before_exit` hooks (a survivor saves the last
+    step: :mod:`omnilearn.bsp.rescue`), the error log, a line on stderr, then the process ends."""
 
     def lost(message: str) -> None:
+        for fn in list(_BEFORE_EXIT):
+            try:
+                fn(message)
+            except Exception as e:  # noqa: BLE001 - the verdict still ends the process, and says so
+                print(f"omnilearn: rank {rank}: {type(e).__name__} before exit: {e}", file=sys.stderr, flush=True)
         note = "(written by the heartbeat watchdog)\n"
         written = log_dir is not None and write_error_log(log_dir, rank, message, note)
         if echo or not written:

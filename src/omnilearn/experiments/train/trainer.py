@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from omnilearn.bsp import rescue
 from omnilearn.bsp.session import Session
 from omnilearn.stopping import Stopped, reason
 from omnilearn.distributed.group import DistContext
@@ -80,6 +81,8 @@ class BSPTrainer:
         where = run_dir if run_dir is not None else Path(cfg.out) if cfg.out else None  # every rank's, not only 0's
         if where is not None:  # a dead peer costs the step in flight: any survivor saves it (omnilearn.bsp.rescue)
             self.session.save_on_failure(where / "checkpoints", **self.objects)
+            if ctx.world_size > 1:  # and a peer the watchdog names hung (omnilearn.bsp.rescue.guard)
+                rescue.guard(self.session)
         if cfg.resume and not self._resume():
             if ctx.is_main:
                 warn(f"--resume: no checkpoint in {self.checkpoints} yet (the run stopped before its first); "
@@ -90,6 +93,7 @@ class BSPTrainer:
         every = cfg.checkpoint_every
         self.next_checkpoint = (self.session.next_step // every + 1) * every if every else None
         self.kill_at = faultinject.kill_step(ctx.rank) if not cfg.resume else None
+        self.hang_at = faultinject.hang_step(ctx.rank) if not cfg.resume else None
 
     def _resume(self) -> bool:
         """Load the newest checkpoint (False: none at all; none usable raises); rank 0 records how long it took."""
@@ -150,6 +154,9 @@ class BSPTrainer:
         """At an interval end: a due checkpoint, or the final one of an agreed stop (then raise :class:`Stopped`)."""
         if self.kill_at is not None and self.session.next_step >= self.kill_at:
             faultinject.die()
+        if self.hang_at is not None and self.session.next_step >= self.hang_at:
+            self.hang_at = None
+            faultinject.freeze()
         session = self.session
         if not session.interval_ended:
             return
