@@ -15,7 +15,8 @@ several kills are separated by commas (two failures in a row). Each
 attempt's rank 0 writes ``OUT/attempt-<k>.json`` (k = 0, 1, ... in order) after its first step (where it
 started, the world size, and the times: process start, set-up done,
 checkpoint loaded, first step done), the killed rank ``OUT/kill-<k>.json``
-(when); the last attempt's rank 0 writes ``OUT/final.pt`` (the weights).
+(when); the last attempt's rank 0 writes ``OUT/final.pt`` (the weights). ``RESCUE_DEVICE=cuda`` trains on
+one GPU per rank (NCCL: tests/gpu), ``RESCUE_TIMEOUT_S`` bounds the group's collectives.
 
 Run: ``python -m pytest -q tests/faults/test_rescue.py``
 """
@@ -54,8 +55,9 @@ def main(out: Path, kill: str | None) -> None:
     torch.set_default_dtype(torch.float64)
     g = torch.Generator().manual_seed(7)
     data = TensorDataset(torch.randn(480, 8, generator=g), torch.randn(480, 1, generator=g))
-    ol = omnilearn.setup(global_batch=24, control_interval=4, controller="static", device="cpu",
-                         total_steps=STEPS)
+    device = os.environ.get("RESCUE_DEVICE", "cpu")  # cuda: NCCL, one GPU per rank (tests/gpu)
+    ol = omnilearn.setup(global_batch=24, control_interval=4, controller="static", device=device,
+                         total_steps=STEPS, timeout_s=float(os.environ.get("RESCUE_TIMEOUT_S", "300")))
     torch.manual_seed(0)
     model = ol.wrap_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -71,7 +73,7 @@ def main(out: Path, kill: str | None) -> None:
     for epoch in range(ol.epoch, 100):
         loader.set_epoch(epoch)
         for x, y in loader:
-            loss = F.mse_loss(model(x), y)
+            loss = F.mse_loss(model(x.to(ol.device)), y.to(ol.device))
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -18,6 +18,10 @@
 - FSDP2 (``fully_shard``) on one GPU: trained without a host sync per step
   (its stalls are compute-stream events), equal to one process; on two
   GPUs, heterogeneous: equal to one process, batches moved to the fast one.
+- A crash costs one step on NCCL (two GPUs): rank 1 SIGKILLed after step 6
+  under ``torchrun --max-restarts 1`` (tests/faults/rescue_script.py on
+  CUDA): rank 0 sees NCCL's remote error (not the timeout, 120 s here),
+  saves step 7, and the restart ends with the uninterrupted run's weights.
 
 Run: ``python -m pytest -q tests/gpu`` (on a CUDA machine).
 """
@@ -252,3 +256,28 @@ def test_fsdp_on_two_gpus_heterogeneous_equals_one_process_and_moves_batches(tmp
     assert close(got["weights"], reference(torch.device("cuda", 0), 24, 64)) < 1e-4
     fast, slow = got["summary"]["workers"]
     assert fast["mean_batch"] > slow["mean_batch"]  # measured with compute-stream events: moved to rank 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across ranks needs 2 GPUs")
+def test_a_killed_nccl_rank_costs_one_step(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "faults" / "rescue_script.py"
+    env = {**os.environ, "RESCUE_DEVICE": "cuda", "RESCUE_TIMEOUT_S": "120", "OMP_NUM_THREADS": "1"}
+    outs = []
+    for name, extra in (("whole", []), ("killed", ["1:7"])):
+        out = tmp_path / name
+        out.mkdir()
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "--max-restarts", "1", str(script), str(out), *extra], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs.append(out)
+    assert "omnilearn: rank 0 lost a peer at step 7" in done.stderr, done.stderr[-3000:]
+    assert json.loads((outs[1] / "attempt-1.json").read_text())["start"] == 7
+    a, b = (torch.load(o / "final.pt", weights_only=True) for o in outs)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-12, atol=0) for k in a)
