@@ -7,10 +7,14 @@ step 4 alone (the loop's progress as at that step's end: at the failure Lightnin
 and the agent's restart resumes it with ``fit(ckpt_path="last")``, ending with the uninterrupted run's weights
 (relative 1e-12: 3 ranks' all-reduce sums in an order the buckets set, as in test_lightning_exact's resumes).
 torchrun runs without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the strategy makes the group in a key space of
-the round's own, so the restart re-forms it (without that, this restart hung). The unit tests hold the one-writer
-rule, where the file goes, and the SIGTERM handler that cannot raise a lost peer's error into a step (Lightning's
-broadcasts from inside the handler: torchrun's agent SIGTERMs the survivors while they save, and 2 runs in 5 had
-lost their save to it before).
+the round's own, so the restart re-forms it (without that, this restart hung).
+
+Lightning Fabric (tests/faults/fabric_rescue_script.py, the same model in a loop of its own): the same kill, a
+survivor writes ``strategy.save_on_failure``'s path, the restarted loop's ``fabric.load`` resumes it.
+
+The unit tests hold the one-writer rule, where the file goes, and the SIGTERM handler that cannot raise a lost
+peer's error into a step (Lightning's broadcasts from inside the handler: torchrun's agent SIGTERMs the
+survivors while they save, and 2 runs in 5 had lost their save to it before).
 
 Run: ``python -m pytest -q tests/faults/test_rescue_lightning.py``
 """
@@ -33,12 +37,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  
 from omnilearn.integrations import lightning_rescue  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("lightning_rescue_script.py")
+FABRIC_SCRIPT = Path(__file__).with_name("fabric_rescue_script.py")
 
 
-def torchrun(out: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *args: str, restarts: int = 0, script: Path = SCRIPT) -> subprocess.CompletedProcess:
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "--max-restarts",
-           str(restarts), str(SCRIPT), str(out), *args]
+           str(restarts), str(script), str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # not needed: the strategy keys its group by round
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -56,6 +61,20 @@ def test_a_killed_writer_costs_one_step(tmp_path):
     again = json.loads((killed / "attempt-1.json").read_text())
     assert (again["start"], again["world"]) == (4, 3)
     assert not (killed / "ck" / "on_exception.ckpt").exists()  # the resumed fit ended well: Lightning removed it
+    a, b = (torch.load(p / "final.pt", weights_only=True) for p in (whole, killed))
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-12, atol=0), k
+
+
+def test_a_fabric_loop_costs_one_step_too(tmp_path):
+    """``OmniLearnFabricStrategy``: rank 0 killed after step 4; a survivor writes ``strategy.save_on_failure``'s
+    path, the restarted loop's ``fabric.load`` resumes at 4 and ends with the uninterrupted loop's weights."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    torchrun(whole, script=FABRIC_SCRIPT)
+    done = torchrun(killed, "0:4", restarts=1, script=FABRIC_SCRIPT)
+    assert len([line for line in done.stderr.splitlines() if "saved the Lightning checkpoint of step 4" in line]) == 1
+    again = json.loads((killed / "attempt-1.json").read_text())
+    assert (again["start"], again["world"]) == (4, 3)
     a, b = (torch.load(p / "final.pt", weights_only=True) for p in (whole, killed))
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-12, atol=0), k

@@ -6,7 +6,8 @@ Lightning does not promise to keep (``trainer._accelerator_connector``,
 ``_layer_sync``, Fabric's ``_BackwardSyncControl`` and
 ``_backward_sync_control``, ``lightning.pytorch.utilities.data._update_dataloader``;
 the survivors' save: ``trainer._checkpoint_connector.dump_checkpoint``, the
-``"loops"``/``"fit_loop"`` keys it writes and ``OnExceptionCheckpoint.ckpt_path``)
+``"loops"``/``"fit_loop"`` keys it writes, ``OnExceptionCheckpoint.ckpt_path``
+and Fabric's ``_convert_stateful_objects_in_state``)
 and override hooks whose parameters they name. Each has a check here: it
 exists, takes the parameters the door passes or receives, and (for an
 override) Lightning still calls it. A failure here means the installed
@@ -59,6 +60,13 @@ def parameters(fn) -> list[str]:
     (FabricDDP, "save_checkpoint", ["self", "path", "state", "storage_options", "filter"]),
     (FabricDDP, "load_checkpoint", ["self", "path", "state", "strict", "weights_only"]),
     (_BackwardSyncControl, "no_backward_sync", ["self", "module", "enabled"]),
+    # the Fabric door's survivors' save: the state's objects to state dicts, as fabric.save does (no collective)
+    (FabricDDP, "_convert_stateful_objects_in_state", ["self", "state", "filter"]),
+    # both strategies make the group themselves under torchrun, with the backend and timeout Lightning would use
+    (DDPStrategy, "_get_process_group_backend", ["self"]),
+    (FabricDDP, "_get_process_group_backend", ["self"]),
+    (DDPStrategy, "setup_distributed", ["self"]),
+    (FabricDDP, "setup_environment", ["self"]),
     # called by the doors
     (pl_data, "_update_dataloader", ["dataloader", "sampler", "mode"]),
     (data_connector._DataLoaderSource, "dataloader", ["self"]),
@@ -79,6 +87,8 @@ def test_lightning_still_calls_the_overridden_private_hooks():
 
 
 def test_trainer_private_attributes_the_strategy_reads_and_sets():
+    from datetime import timedelta
+
     from omnilearn.integrations.lightning import OmniLearnStrategy
 
     trainer = pl.Trainer(strategy=OmniLearnStrategy(find_unused_parameters=True), accelerator="cpu", devices=1,
@@ -87,12 +97,17 @@ def test_trainer_private_attributes_the_strategy_reads_and_sets():
     assert isinstance(trainer.fit_loop._data_source, data_connector._DataLoaderSource)
     assert trainer.strategy._ddp_kwargs == {"find_unused_parameters": True}
     assert trainer.strategy._layer_sync is not None  # sync_batchnorm=True reaches the strategy there (refused at fit)
+    assert isinstance(trainer.strategy._timeout, timedelta)  # the group's timeout the strategy makes it with
 
 
 def test_fabric_strategy_private_attributes():
+    from datetime import timedelta
+
     from omnilearn.integrations.lightning_fabric import OmniLearnFabricStrategy
 
     strategy = OmniLearnFabricStrategy(global_batch=8, bucket_cap_mb=2)
+    assert isinstance(strategy._timeout, timedelta)  # the group's timeout, as Fabric would give it
+    assert "_init_dist_connection" in inspect.getsource(FabricDDP._setup_distributed)  # skipped for a group made
     assert strategy._ddp_kwargs == {"bucket_cap_mb": 2}
     assert isinstance(strategy._backward_sync_control, _BackwardSyncControl)
     assert isinstance(FabricDDP()._backward_sync_control, _BackwardSyncControl)  # what the door replaces

@@ -162,12 +162,13 @@ def init_from_torchrun(device_preference: str, timeout_s: float, backend: str | 
         )
 
 
-def join_torchrun(backend: str, timeout: timedelta, device_id: torch.device | None = None) -> None:
+def join_torchrun(backend: str, timeout: timedelta | None, device_id: torch.device | None = None) -> None:
     """A torchrun worker's default process group, made from the rendezvous store in this round's own key space
     (:func:`~omnilearn.distributed.rounds.round_store`), for a framework that would make it from torchrun's store
     as it is (``env://``: Lightning), where a restart shares the dead attempt's keys and hangs or reads its peer
     addresses unless torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timeout or timedelta(minutes=30)  # torch's default for a group
     with round_store(attempt_store(rank, world_size, timeout.total_seconds()), rank, world_size) as store:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device_id)

@@ -38,7 +38,12 @@ Fabric's DDP strategy with an OmniLearn session inside (one per strategy):
   rank 0) under ``"omnilearn"``; ``fabric.load(path, state)`` restores it, so
   the training loader continues where it stopped (at another world size too);
   one saved with another seed, dataset length or steps per epoch is refused
-  in one line naming the strategy's keyword.
+  in one line naming the strategy's keyword;
+- a peer that dies: a survivor writes the last completed step to the path of
+  ``strategy.save_on_failure(path, state)`` or of the last ``fabric.save`` /
+  ``fabric.load`` (that call's ``state``, this rank's part of the session's), alone and atomically
+  (:func:`~omnilearn.integrations.lightning_rescue.write_newest`); the
+  restarted loop's ``fabric.load(path, state)`` resumes there.
 
 The loop's length is the session's (``total_steps``); ``strategy.session``
 is the :class:`~omnilearn.bsp.session.Session` (``finish()`` for the summary,
@@ -51,7 +56,10 @@ Run: ``python -m pytest -q tests/dist/test_lightning_fabric.py tests/dist/test_l
 
 from __future__ import annotations
 
+import os
+import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 try:
@@ -59,13 +67,16 @@ try:
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("omnilearn.integrations.lightning_fabric needs Lightning: pip install lightning") from e
+import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 import omnilearn
 from omnilearn.config import ConfigError
-from omnilearn.bsp.checkpointing import gathered_state
+from omnilearn.distributed.group import join_torchrun
+from omnilearn.bsp.checkpointing import gathered_state, session_state
 from omnilearn.integrations.lightning import STATE_KEY
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
+from omnilearn.integrations.lightning_rescue import write_newest
 from omnilearn.integrations.lightning_options import FABRIC_ARGS, FABRIC_TAKES, refuse_sharded, split_options
 from omnilearn.integrations.lightning_session import check_loader_batch, load_resumed
 from omnilearn.versions import require_tested
@@ -98,6 +109,15 @@ class OmniLearnFabricStrategy(DDPStrategy):
         self.session = None
         self._pending: dict | None = None  # a loaded session state waiting for the training loader
         self._backward_sync_control = _SessionSync(self)
+        self._rescue_to: tuple[Any, dict, dict | None] | None = None  # (path, state, filter) of the last save/load
+
+    def setup_environment(self) -> None:
+        """Under torchrun the group is made in a key space of this round's own (as ``OmniLearnStrategy`` does), so a
+        restart after a lost peer re-forms it; Fabric then finds it made."""
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and not torch.distributed.is_initialized():
+            cuda = self.root_device if self.root_device.type == "cuda" else None
+            join_torchrun(self._get_process_group_backend(), self._timeout, device_id=cuda)
+        super().setup_environment()
 
     @property
     def distributed_sampler_kwargs(self) -> None:
@@ -114,6 +134,7 @@ class OmniLearnFabricStrategy(DDPStrategy):
         refuse_sharded(module, "OmniLearnFabricStrategy (Fabric's DDP strategy)")
         device = "cuda" if self.root_device.type == "cuda" else "cpu"
         self.session = omnilearn.setup(device=device, **self.settings)
+        self.session.rescue_with(self._rescue)  # a lost peer: a survivor saves the last step (_rescue)
         return self.session.wrap_model(module, **self._ddp_kwargs)
 
     def process_dataloader(self, dataloader: DataLoader) -> Any:
@@ -144,6 +165,9 @@ class OmniLearnFabricStrategy(DDPStrategy):
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
         """Every rank calls it (``fabric.save``): the session's state, every rank's part, on rank 0."""
+        self._rescue_to = (path, state, filter)
+        if self.session is not None and self.session.rescued is not None:
+            return  # a peer is gone: this rank saved already, and this save's collectives would fail
         if self.session is not None and self.session.loader is not None:
             if not self.session.interval_ended:
                 self.session.sync_buffers()
@@ -151,12 +175,34 @@ class OmniLearnFabricStrategy(DDPStrategy):
         super().save_checkpoint(path, state, storage_options, filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict:
+        if state:
+            self._rescue_to = (path, state, None)
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         if state and STATE_KEY in remainder:
             self._pending = remainder.pop(STATE_KEY)
             if self.session is not None and self.session.loader is not None:
                 self._apply_pending()
         return remainder
+
+    def save_on_failure(self, path, state: dict[str, Any]) -> None:
+        """Where, and what, a survivor saves if a peer dies: ``path`` and ``state`` as ``fabric.save`` takes them
+        (what the restarted loop's ``fabric.load(path, state)`` reads). Each ``fabric.save``/``fabric.load`` sets
+        it too."""
+        if not isinstance(path, (str, Path)) or not isinstance(state, dict):
+            raise TypeError(f"save_on_failure(path={path!r}, state={type(state).__name__}): give a path and the "
+                            "state dict fabric.save takes ({'model': model, 'optimizer': optimizer, ...})")
+        self._rescue_to = (path, state, None)
+
+    def _rescue(self, step: int) -> str:
+        """A peer died (:mod:`omnilearn.bsp.rescue`): the objects of the last ``fabric.save``/``fabric.load`` to its
+        path, with this rank's session state, written alone (no collective)."""
+        if self._rescue_to is None:
+            return ("nothing was saved: the loop never called strategy.save_on_failure(path, state), fabric.save or "
+                    "fabric.load; a restart resumes from the last checkpoint")
+        path, state, keep = self._rescue_to
+        full = {**self._convert_stateful_objects_in_state(state, filter=keep or {}),
+                STATE_KEY: session_state(self.session, rows=False)}
+        return write_newest(Path(path), step, time.time(), lambda f: torch.save(full, f), "fabric.load(path, state)")
 
     def _apply_pending(self) -> None:
         if self._pending is not None:

@@ -152,8 +152,9 @@ def rescue(strategy: Any, step: int, seen: float, key: str) -> str:
     return write_newest(path, step, seen, lambda f: torch.save(checkpoint, f))
 
 
-def write_newest(path: Path, step: int, seen: float, write) -> str:
-    """``write`` into ``path`` atomically unless another survivor holds this step or a newer one (module docstring)."""
+def write_newest(path: Path, step: int, seen: float, write, resumes: str = 'trainer.fit(..., ckpt_path="last")') -> str:
+    """``write`` into ``path`` atomically unless another survivor holds this step or a newer one (module docstring);
+    ``resumes``: what resumes it, for the line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.name}.omnilearn"), "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -169,5 +170,4 @@ def write_newest(path: Path, step: int, seen: float, write) -> str:
         held.truncate()
         held.write(json.dumps({"step": step, "at": time.time(), "pid": os.getpid()}))
         held.flush()
-    return (f"saved the Lightning checkpoint of step {step} in {time.time() - seen:.2f} s to {path}: "
-            'trainer.fit(..., ckpt_path="last") resumes there')
+    return f"saved the Lightning checkpoint of step {step} in {time.time() - seen:.2f} s to {path}: {resumes} resumes there"
