@@ -142,3 +142,42 @@ def test_a_sigterm_handler_cannot_raise_a_lost_peers_error_into_the_step():
 
     with pytest.raises(ValueError, match="own bug"):
         lightning_rescue.PeerSafe(broken)(15, None)
+
+
+def test_the_boundary_gives_the_loop_state_of_the_last_step_end():
+    """What the survivor writes of Lightning's loop: ``fit_loop.state_dict()`` as at the mark (a step's end), with
+    the live counters put back after; kept at a fifth of that call's cost."""
+    import warnings
+
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Net(), DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=8))
+    boundary = lightning_rescue.Boundary()
+    trainer.callbacks.append(OnExceptionCheckpoint(dirpath="unused"))
+    assert not boundary.track(trainer, 1) and boundary.track(trainer, 2)  # one rank: nothing to rescue
+    at_mark = trainer.fit_loop.state_dict()
+    boundary.mark(trainer, 5)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.increment_ready()  # the next step goes on: its counters move
+    progress.increment_started()
+    trainer.fit_loop.epoch_loop._batches_that_stepped += 1
+    moved = trainer.fit_loop.state_dict()
+    assert moved != at_mark
+    assert boundary.loop_state(trainer) == at_mark
+    assert trainer.fit_loop.state_dict() == moved  # the live loop as it was

@@ -137,3 +137,17 @@ def test_the_survivors_save_reads_the_checkpoint_connector():
     assert "trainer.strategy.on_exception(exception)" in inspect.getsource(call._interrupt)
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     assert isinstance(trainer._checkpoint_connector, _CheckpointConnector)
+
+
+def test_the_boundary_walks_the_loops_as_their_state_dict_does():
+    """lightning_rescue.Boundary keeps the counters of the progress objects ``_Loop.state_dict`` reads (found the
+    same way) and the epoch loop's ``_batches_that_stepped``, which it saves under ``state_dict``."""
+    from lightning.pytorch.loops.loop import _Loop
+    from lightning.pytorch.loops.progress import _BaseProgress
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    walk = inspect.getsource(_Loop.state_dict)
+    assert "isinstance(v, _BaseProgress)" in walk and "isinstance(v, _Loop)" in walk and "self.__dict__" in walk
+    assert "self._batches_that_stepped" in inspect.getsource(_TrainingEpochLoop.on_save_checkpoint)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.fit_loop.epoch_loop._batches_that_stepped, int)

@@ -95,7 +95,7 @@ class _BatchLogger(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.logged = self.strategy.session.steps_done
-        self.rescuing = self.strategy.world_size > 1 and lightning_rescue.target(trainer) is not None
+        self.rescuing = self.strategy.boundary.track(trainer, self.strategy.world_size)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
