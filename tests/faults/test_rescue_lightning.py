@@ -14,7 +14,7 @@ survivor writes ``strategy.save_on_failure``'s path, the restarted loop's ``fabr
 
 The unit tests hold the one-writer rule, where the file goes, and the SIGTERM handler that cannot raise a lost
 peer's error into a step (Lightning's broadcasts from inside the handler: torchrun's agent SIGTERMs the
-survivors while they save, and 2 runs in 5 had lost their save to it before).
+survivors while they save, and 2 runs of 7 by hand had lost their save to it before).
 
 Run: ``python -m pytest -q tests/faults/test_rescue_lightning.py``
 """

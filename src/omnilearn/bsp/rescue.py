@@ -186,7 +186,7 @@ class RestartStoreWarning(UserWarning):
 def arm(session: Rescue, saver: Callable[[int], str], who: str) -> None:
     """A front door's own survivors' save (:meth:`Rescue.rescue_with`), and one warning on rank 0 when a torchrun
     restart would fail before any of it: a door whose framework makes the process group from torchrun's store
-    (``env://``: accelerate, Lightning) finds it shared across restarts (torch 2.4+), so a restarted group can read
+    (``env://``: accelerate, under ``OmniLearnTrainer``) finds it shared across restarts (torch 2.4+), so a restarted group can read
     the dead attempt's peer addresses (gloo: ``connectFullMesh ... Connection refused``, or a hang)."""
     session.rescue_with(saver)
     env = os.environ

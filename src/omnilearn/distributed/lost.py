@@ -6,7 +6,8 @@ collective talks to it, within milliseconds (measured: 28 ms on one host),
 a ``RuntimeError`` such as ``[.../gloo/transport/tcp/pair.cc:537] Read
 error [127.0.0.1]:22181: Connection reset by peer``. A survivor that waits
 only on another survivor hears it when that one exits after its own rescue
-(:mod:`omnilearn.bsp.rescue`): its sockets close in turn. TensorFlow's collective ops abort with the same words (an ``UnavailableError``). NCCL says
+(:mod:`omnilearn.bsp.rescue`): its sockets close in turn. TensorFlow's
+collective ops abort with the same words (an ``UnavailableError``). NCCL says
 ``remote process exited`` or reports a remote error when it notices.
 
 Only these count as a lost peer. A timeout does not: a peer that is slow,

@@ -59,11 +59,8 @@ tests/examples/test_lightning_example.py tests/faults/test_rescue_lightning.py``
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from typing import Any
-
-import torch
 
 try:
     import lightning.pytorch as pl
@@ -75,13 +72,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import omnilearn
 from omnilearn.bsp.checkpointing import gathered_state
-from omnilearn.distributed.group import join_torchrun
 from omnilearn.bsp.wrap import release
 from omnilearn.config import ConfigError
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
 from omnilearn.integrations import lightning_rescue
 from omnilearn.integrations.lightning_options import refuse_sharded, refuse_trainer_flags, split_options
-from omnilearn.integrations.lightning_session import continued_run, load_resumed, with_loader_batch
+from omnilearn.integrations.lightning_session import continued_run, join_round_group, load_resumed, with_loader_batch
 from omnilearn.versions import require_tested
 
 STATE_KEY = "omnilearn"  # the session's state in a Lightning checkpoint
@@ -153,12 +149,7 @@ class OmniLearnStrategy(lightning_rescue.SurvivorSave, DDPStrategy):
             self._check_fit()
 
     def setup_distributed(self) -> None:
-        """Under torchrun the group is made in a key space of this round's own, so a restart after a lost peer
-        re-forms it whatever torchrun's store sharing (:func:`omnilearn.distributed.group.join_torchrun`);
-        Lightning then finds it made."""
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ and not torch.distributed.is_initialized():
-            cuda = self.root_device if self.root_device.type == "cuda" else None
-            join_torchrun(self._get_process_group_backend(), self._timeout, device_id=cuda)
+        join_round_group(self)  # under torchrun: a group per round, so a restart re-forms it (lightning_session)
         super().setup_distributed()
 
     def _open_session(self, trainer: pl.Trainer) -> None:

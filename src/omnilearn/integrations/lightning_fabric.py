@@ -56,7 +56,6 @@ Run: ``python -m pytest -q tests/dist/test_lightning_fabric.py tests/dist/test_l
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -72,13 +71,12 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import omnilearn
 from omnilearn.config import ConfigError
-from omnilearn.distributed.group import join_torchrun
 from omnilearn.bsp.checkpointing import gathered_state, session_state
 from omnilearn.integrations.lightning import STATE_KEY
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
 from omnilearn.integrations.lightning_rescue import write_newest
 from omnilearn.integrations.lightning_options import FABRIC_ARGS, FABRIC_TAKES, refuse_sharded, split_options
-from omnilearn.integrations.lightning_session import check_loader_batch, load_resumed
+from omnilearn.integrations.lightning_session import check_loader_batch, join_round_group, load_resumed
 from omnilearn.versions import require_tested
 
 
@@ -112,11 +110,7 @@ class OmniLearnFabricStrategy(DDPStrategy):
         self._rescue_to: tuple[Any, dict, dict | None] | None = None  # (path, state, filter) of the last save/load
 
     def setup_environment(self) -> None:
-        """Under torchrun the group is made in a key space of this round's own (as ``OmniLearnStrategy`` does), so a
-        restart after a lost peer re-forms it; Fabric then finds it made."""
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ and not torch.distributed.is_initialized():
-            cuda = self.root_device if self.root_device.type == "cuda" else None
-            join_torchrun(self._get_process_group_backend(), self._timeout, device_id=cuda)
+        join_round_group(self)  # under torchrun: a group per round, so a restart re-forms it (lightning_session)
         super().setup_environment()
 
     @property

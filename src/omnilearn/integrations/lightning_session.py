@@ -25,11 +25,15 @@ Run: ``python -m pytest -q tests/dist/test_lightning_trust.py tests/dist/test_li
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from omnilearn.config import ConfigError, api_wording
+from omnilearn.distributed.group import join_torchrun
 
 BATCH_KEYWORDS = ("global_batch", "local_batch")
 _CORE_KEYWORD = re.compile(r" \(omnilearn\.setup keyword; --[a-z-]+ \S+ on the command line\)")
@@ -61,6 +65,16 @@ def check_loader_batch(settings: dict[str, Any], loader: Any, session: Any, who:
         raise ConfigError(f"{who} got no global_batch or local_batch, so OmniLearn's global batch is "
                           f"{session.global_batch}, but DataLoader(batch_size={local // k}) x accumulation_steps={k} "
                           f"x {world} processes is {local * world}: give {who}(local_batch={local})")
+
+
+def join_round_group(strategy: Any) -> None:
+    """Both Lightning doors, before their framework makes the process group: under torchrun, make it in a key space
+    of this round's own (:func:`omnilearn.distributed.group.join_torchrun`) with the backend and timeout the
+    framework would use, so a restart after a lost peer re-forms it whatever torchrun's store sharing (the
+    framework's own hung or read the dead attempt's addresses); the framework then finds it made."""
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and not torch.distributed.is_initialized():
+        cuda = strategy.root_device if strategy.root_device.type == "cuda" else None
+        join_torchrun(strategy._get_process_group_backend(), strategy._timeout, device_id=cuda)
 
 
 def door_wording(message: str, who: str) -> str:

@@ -22,7 +22,7 @@ there). A restart (``--max-restarts``, ``--resume``) loads the newest
 committed step at any worker count, so it resumes there. A run with no
 checkpoint directory says that nothing was saved and what gives one.
 
-Run: ``python -m pytest -q tests/tf/test_tf_rescue.py``
+Run: ``python -m pytest -q tests/tf/test_tf_train.py tests/tf/test_tf_launch.py``
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ NOTHING = ("nothing was saved: the run has no checkpoint directory (setup(out=..
 def lost(session, error: BaseException) -> None:
     """``error`` ended this worker's step: if a peer is gone, save the last completed step, once, and say so."""
     cause = lost_cause(error)
-    if cause is None or getattr(session, "rescued", None) is not None:
+    if cause is None or session.rescued is not None:
         return
     seen = time.time()
     try:
