@@ -67,6 +67,7 @@ class BalanceConfig:
     max_batch: int | tuple[int, ...] | str | None = None  # one, one per worker, "auto" (CUDA probe); None: none
     batch_multiple: int = 1  # adaptive batches in multiples of this (fewer shapes: fewer torch.compile recompiles)
     control_interval: int = 15
+    min_window_s: float = 0.15  # a window shorter than this is stretched to whole intervals (0: never)
     accumulation_steps: int = 1  # micro-batches per optimizer step on every worker (gradient accumulation)
     out: str | None = None  # run directory (CLI default: runs/<timestamp>; API default: none written)
     overwrite: bool = False
@@ -108,6 +109,9 @@ class BalanceConfig:
             raise ConfigError(f"--heartbeat-s {self.heartbeat_s:g} is too long; use at most {MAX_TIMEOUT_S:g} seconds")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise ConfigError(f"--timeout-s {self.timeout_s:g} is too long; use at most {MAX_TIMEOUT_S:g} seconds")
+        if not 0 <= self.min_window_s <= MAX_TIMEOUT_S:
+            raise ConfigError(f"--min-window-s {self.min_window_s:g} must be in [0, {MAX_TIMEOUT_S:g}] seconds, e.g. "
+                              "0.15 (0: a meeting at every interval's end, however short)")
         if not 0 <= self.deadband < 1:
             raise ConfigError(f"--deadband {self.deadband} must be in [0, 1), e.g. 0.05")
         self._check_emulator()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import zlib
 from statistics import median
@@ -150,6 +151,34 @@ def checks_pay(step_s: float, every: int) -> bool:
     return every > 0 and every * step_s >= CHECK_WINDOW_MIN_S
 
 
+# An interval's meeting (the all-gather, the control loop's decision, the window's record: about 1-1.5 ms of the
+# training thread's host time, docs/results.md "The hot path") costs at most about 1% of its window where the
+# window lasts BalanceConfig.min_window_s (0.15 s by default). Where an interval's steps are shorter (a tiny
+# model, a fast GPU), the next window is stretched to whole intervals, at most MAX_STRETCH of them, so the
+# meetings come about that often in time instead of every interval in steps. Only once the loop has settled:
+# for the run's first WARMUP_INTERVALS intervals (the controller learns the speeds) and after any decision that
+# changed the plan (the loop judges the change in the next window), windows stay one interval long.
+MAX_STRETCH = 8
+WARMUP_INTERVALS = 4
+
+
+def window_steps(step_s: float, interval: int, min_window_s: float, settled: bool = True) -> int:
+    """The next window's length in steps: ``interval``, or, where the loop has ``settled`` (see above), the fewest
+    whole intervals (at most :data:`MAX_STRETCH`) that last ``min_window_s`` at steps of ``step_s`` (the last
+    interval's: every worker reads the same gathered value, so all reach the same length). ``min_window_s`` 0:
+    always ``interval``."""
+    span = interval * step_s
+    if not settled or min_window_s <= 0 or not span > 0 or span >= min_window_s:  # also NaN: no step time known
+        return interval
+    return interval * math.ceil(min(MAX_STRETCH, min_window_s / span))
+
+
 def interval_step_s(table: Sequence[Sequence[float]]) -> float:
     """The interval's step time from its gathered table: the largest worker median (the step waits for it)."""
     return max(float(row[5]) for row in table)
+
+
+def settled(decision: Decision, intervals: int) -> bool:
+    """Whether the next window may be stretched (:func:`window_steps`): ``intervals`` (read so far in this run, this
+    one included) past the warm-up, and this interval's ``decision`` left the plan as it was."""
+    return intervals >= WARMUP_INTERVALS and not decision.changed

@@ -256,7 +256,7 @@ def _two_rank_worker(rank: int, store: str, out: str) -> None:
     schedule.parent.mkdir(parents=True, exist_ok=True)
     schedule.write_text('[[change]]\nat_step = 0\nspeeds = "3,1"\n')
     ol = omnilearn.setup(local_batch=24, speed_schedule=str(schedule), control_interval=4, min_batch=4, device="cpu",
-                         out=f"{out}/mount{rank}/run")
+                         out=f"{out}/mount{rank}/run", min_window_s=0)  # a meeting every interval: counted below
     counting = CountingCollectives()  # from here: training's collectives (the start's settings check is done)
     torch.manual_seed(0)  # as users do: the same initial weights (DDP would broadcast rank 0's anyway)
     model = ol.wrap_model(BNNet(64, 1024))

@@ -1,10 +1,14 @@
-"""Mid-interval checks run only where they pay for their meeting (:func:`omnilearn.decisions.checks_pay`).
+"""Meetings only where they pay: mid-interval checks (:func:`omnilearn.decisions.checks_pay`) and short
+intervals stretched to whole intervals (:func:`omnilearn.decisions.window_steps`).
 
 Two gloo ranks, the controller's timings scripted (``OMNILEARN_TEST_S_PER_SAMPLE``: no clock is read), a
 control interval of 6 steps (a check every 2): at steps of 0.08 s (two steps between checks: 0.16 s, above
 ``CHECK_WINDOW_MIN_S``) every interval has its two checks; at steps of 0.08 ms the first interval has them (no
-step time is known yet) and the later ones none. The flag travels in the session state, so a resumed run
-holds the checks as the run it continues did.
+step time is known yet) and the later ones none. At 0.08 ms steps the interval (0.5 ms) is also far below
+``min_window_s`` (0.15 s): after the warm-up's 4 intervals (``decisions.WARMUP_INTERVALS``; the controller,
+``uniform``, changes nothing) the window is stretched to 8 intervals (48 steps), so the run's fifth window ends
+at its last step; with ``min_window_s=0`` every interval ends after its 6 steps. Both travel in
+the session state, so a resumed run holds the checks and the stretch as the run it continues did.
 
 Run: ``python -m pytest -q tests/dist/test_check_cadence.py``
 """
@@ -24,13 +28,13 @@ import omnilearn
 
 pytestmark = pytest.mark.dist
 
-STEPS, INTERVAL = 24, 6
+STEPS, INTERVAL = 48, 6
 
 
-def _rank(rank: int, out: str, store: str) -> None:
+def _rank(rank: int, out: str, store: str, min_window_s: float) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     ol = omnilearn.setup(global_batch=16, control_interval=INTERVAL, device="cpu", handle_signals=False,
-                         controller="uniform", total_steps=STEPS)
+                         controller="uniform", total_steps=STEPS, min_window_s=min_window_s)
     torch.manual_seed(0)
     model = ol.wrap_model(nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -38,6 +42,9 @@ def _rank(rank: int, out: str, store: str) -> None:
     checks: list[int] = []
     check = ol._check
     ol._check = lambda step: (checks.append(step), check(step))  # counts the checks the session starts
+    ends: list[int] = []
+    end = ol._end_interval
+    ol._end_interval = lambda step: (ends.append(step), end(step))  # and the interval ends
     loader = ol.data_loader(data)
     done = 0
     while done < STEPS:
@@ -51,17 +58,24 @@ def _rank(rank: int, out: str, store: str) -> None:
                 break
     state = ol.state_dict()
     ol.finish()
-    torch.save({"checks": checks, "state_checks": state["checks"]}, Path(out) / f"rank{rank}.pt")
+    torch.save({"checks": checks, "ends": ends, "state_checks": state["checks"], "stretch": state["stretch"]},
+               Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("s_per_sample, expected", [
-    ("0.01,0.01", [1, 3, 7, 9, 13, 15, 19, 21]),  # 8 samples a step: 0.08 s steps, a check every 2 steps
-    ("0.00001,0.00001", [1, 3]),  # 0.08 ms steps: only the first interval's (no step time known before it)
+@pytest.mark.parametrize("s_per_sample, min_window_s, checks, ends, stretch", [
+    # 8 samples a step: 0.08 s steps, a check every 2 steps, intervals of 0.48 s
+    ("0.01,0.01", 0.15, [s + i for s in range(0, 48, 6) for i in (1, 3)], list(range(5, 48, 6)), 1),
+    # 0.08 ms steps: only the first interval's checks (no step time is known before it), then after the warm-up
+    # one long window
+    ("0.00001,0.00001", 0.15, [1, 3], [5, 11, 17, 23, 47], 8),
+    ("0.00001,0.00001", 0.0, [1, 3], list(range(5, 48, 6)), 1),  # never stretched
 ])
-def test_checks_run_only_where_their_meeting_pays(tmp_path, s_per_sample, expected):
-    results = scripted_rank_results(_rank, (str(tmp_path), str(tmp_path / "store")), tmp_path, nprocs=2,
-                                    times=s_per_sample)
+def test_meetings_run_only_where_they_pay(tmp_path, s_per_sample, min_window_s, checks, ends, stretch):
+    results = scripted_rank_results(_rank, (str(tmp_path), str(tmp_path / "store"), min_window_s), tmp_path,
+                                    nprocs=2, times=s_per_sample)
     for r in results:
-        assert r["checks"] == expected
-        assert r["state_checks"] is (len(expected) > 2)
+        assert r["checks"] == checks
+        assert r["ends"] == ends
+        assert r["state_checks"] is (len(checks) > 2)
+        assert r["stretch"] == stretch

@@ -40,6 +40,7 @@ from runfiles import after_last_resume, raw_events
 
 from omnilearn import checkpoint
 from omnilearn.checkpoint import CheckpointStore
+from omnilearn.decisions import SCRIPTED_ENV
 from omnilearn.experiments.cli import main
 
 BASE = ("--speeds", "2,1", "--controller", "static", "--max-steps", "30", "--checkpoint-every", "10",
@@ -103,6 +104,22 @@ def test_resume_same_workers_is_exact(uninterrupted, tmp_path):
     assert [e["step"] for e in events(run, "resume")] == [10]
     redone = [e["step"] for e in events(run, "step") if e["rank"] == 0]
     assert redone.count(15) == 2 and redone.count(5) == 1  # steps after the checkpoint were recorded twice
+
+
+def test_a_checkpoint_inside_a_stretched_window_resumes_exactly(tmp_path, monkeypatch):
+    """Scripted 0.26 ms steps: after the warm-up's 4 intervals of 4 steps the window is stretched to 8 intervals
+    (steps 16-47). A due checkpoint is saved where an unstretched run would end an interval (20, 32: inside the
+    window, the buffers synced first), and a resume from the one at 32 goes on exactly, in the same window."""
+    monkeypatch.setenv(SCRIPTED_ENV, "0.000001,0.000001")
+    flags = ("--max-steps", "40", "--control-interval", "4")
+    whole = tmp_path / "whole"
+    assert train(whole, *flags) == 0
+    assert [e["step"] for e in events(whole, "decision")] == [4, 8, 12, 16, 40]  # read a step after each end
+    assert CheckpointStore(whole / "checkpoints").steps() == [20, 32, 40]  # 12 was the oldest of 4: pruned
+    run = stopped_at(whole, tmp_path / "run", 32)
+    assert main(["train", "--out", str(run), "--resume", "--no-plots"]) == 0
+    assert rel_diff(whole, run) == 0.0
+    assert [e["step"] for e in after_resume(run, "decision")] == [40]  # the restored window, not a new one
 
 
 @pytest.mark.parametrize("workers", [1, 3])

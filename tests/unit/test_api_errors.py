@@ -41,6 +41,7 @@ def test_flags_become_keywords(flags, words):
     ({"global_batch": 16, "min_batch": 17}, "min_batch"),
     ({"controller": "pid"}, "unknown controller 'pid'; choose one of"),
     ({"deadband": 2.0}, "deadband=2.0 must be in [0, 1)"),
+    ({"min_window_s": -1.0}, "min_window_s=-1 must be in [0, 604800] seconds, e.g. 0.15"),
 ])
 def test_setup_errors_are_one_line_and_name_keywords(settings, said):
     with pytest.raises(ConfigError) as e:

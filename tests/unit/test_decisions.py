@@ -11,6 +11,10 @@
 - :func:`~omnilearn.decisions.checks_pay`: mid-interval checks run where the steps between two of them last
   at least :data:`~omnilearn.decisions.CHECK_WINDOW_MIN_S`, judged on the slowest worker's median step of the
   last interval (:func:`~omnilearn.decisions.interval_step_s`); never without checks (``every`` 0).
+- :func:`~omnilearn.decisions.window_steps`: an interval shorter than ``min_window_s`` is stretched to the fewest
+  whole intervals that last it, at most :data:`~omnilearn.decisions.MAX_STRETCH`; never with ``min_window_s`` 0
+  or no step time known, nor before the loop has :func:`~omnilearn.decisions.settled` (the warm-up's intervals,
+  and the window after a change).
 - The loop hands the model pairs only to a controller that reads them.
 
 Run: ``python -m pytest -q tests/unit/test_decisions.py``
@@ -18,14 +22,17 @@ Run: ``python -m pytest -q tests/unit/test_decisions.py``
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, strategies as st
 
 from omnilearn.balance.loop import WINDOW_FIELDS
 from omnilearn.data.schedule import BatchSchedule
 from omnilearn.balance.allocation import Bounds
-from omnilearn.balance.controllers import make_controller
+from omnilearn.balance.controllers import Decision, make_controller
 from omnilearn.balance.loop import ControlLoop, window_row
-from omnilearn.decisions import (CHECK, CHECK_WINDOW_MIN_S, HEADER, INTERVAL, checks_pay, interval_step_s,
+from omnilearn.decisions import (CHECK, CHECK_WINDOW_MIN_S, HEADER, INTERVAL, MAX_STRETCH, checks_pay,
+                                 WARMUP_INTERVALS, interval_step_s, settled, window_steps,
                                  plan_checksum, plans_differ, reset_asked, stop_asked, table_row)
 
 
@@ -86,6 +93,24 @@ def test_checks_pay_where_the_steps_between_two_last_long_enough():
     assert not checks_pay(10.0, 0)  # an interval too short for checks has none
     rows = [table_row(INTERVAL, 15, 15, [0.0] * WINDOW_FIELDS, step_s=s) for s in (0.004, 0.011, 0.009)]
     assert interval_step_s(rows) == 0.011  # the step waits for the slowest worker
+
+
+def test_short_intervals_are_stretched_to_whole_intervals_that_last_the_window():
+    assert window_steps(0.010, 15, 0.15) == 15  # 0.15 s: as long as the window, not stretched
+    assert window_steps(0.050, 15, 0.15) == 15
+    assert window_steps(0.0099, 15, 0.15) == 30  # 0.1485 s: two intervals
+    assert window_steps(0.0024, 15, 0.15) == 75  # a tiny model's 2.4 ms steps: 36 ms, five intervals (180 ms)
+    assert window_steps(1e-6, 15, 0.15) == 15 * MAX_STRETCH == window_steps(1e-300, 15, 0.15)  # at most
+    assert window_steps(0.0024, 15, 0.0) == 15  # min_window_s 0: never
+    assert window_steps(0.0, 15, 0.15) == window_steps(float("nan"), 15, 0.15) == 15  # no step time known
+    assert window_steps(0.0024, 15, 0.15, settled=False) == 15
+
+
+def test_the_loop_settles_after_the_warm_up_and_a_window_without_a_change():
+    held = Decision(step=59, old=(64, 64), new=(64, 64), times_s=(0.01, 0.01), changed=False, reason="held")
+    moved = dataclasses.replace(held, new=(70, 58), changed=True, reason="moved")
+    assert not settled(held, WARMUP_INTERVALS - 1) and settled(held, WARMUP_INTERVALS)
+    assert not settled(moved, WARMUP_INTERVALS) and not settled(moved, 100)  # the next window judges the change
 
 
 def test_the_model_pairs_go_only_to_a_controller_that_reads_them():

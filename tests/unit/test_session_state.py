@@ -3,7 +3,8 @@
 - ``state_dict()`` -> a fresh session's ``load_state_dict()`` -> the same
   ``state_dict()``, and both sessions go on with the same steps, the same
   sample indices, the same random numbers (dropout) and the same losses;
-  taken mid-epoch and mid-control-interval, with gradient accumulation.
+  taken mid-epoch and mid-control-interval, with gradient accumulation; a window stretched for short steps
+  (``min_window_s``, scripted timings) stays stretched in the session that loads it.
 - The state is plain values and tensors (the ``Stateful`` shape of
   ``torch.distributed.checkpoint``); rank-specific parts sit under ``rank0``.
 - Per-rank seeds differ between ranks; random state round-trips.
@@ -24,6 +25,7 @@ from torch import nn
 import omnilearn
 from omnilearn.bsp.rng import rank_seed
 from omnilearn.config import BalanceConfig, ConfigError, shared_settings
+from omnilearn.decisions import MAX_STRETCH, SCRIPTED_ENV, WARMUP_INTERVALS
 
 
 class IndexData(torch.utils.data.Dataset):
@@ -90,13 +92,13 @@ def plain(value) -> bool:
 
 
 def test_state_round_trips_and_both_sessions_go_on_alike():
-    ol, model, loader, opt = make_session()
+    ol, model, loader, opt = make_session(min_window_s=0)  # intervals of 4 steps, however short
     train(ol, model, loader, opt, 13)  # epoch 1 of 10-step epochs, mid-interval (13 = 3 x 4 + 1)
     state = ol.state_dict()
     assert plain(state) and state["steps_done"] == 13 and state["sampler"] == {"epoch": 1, "offset": 3}
     assert len(state["rank0"]["window"]) == 1  # the open interval's row survives
 
-    fresh, fresh_model, fresh_loader, fresh_opt = make_session()
+    fresh, fresh_model, fresh_loader, fresh_opt = make_session(min_window_s=0)
     fresh_model.load_state_dict(model.state_dict())
     fresh_opt.load_state_dict(opt.state_dict())
     fresh.load_state_dict(state)
@@ -117,6 +119,23 @@ def test_state_round_trips_and_both_sessions_go_on_alike():
     assert all(1 <= len(w) <= 10 for w in a["loop"]["windows"] + b["loop"]["windows"])
     ol.finish()
     fresh.finish()
+
+
+def test_a_stretched_window_stays_stretched_after_a_resume(monkeypatch):
+    monkeypatch.setenv(SCRIPTED_ENV, "0.00001")  # 0.12 ms steps: an interval of 4 lasts 0.5 ms, far below 0.15 s
+    ol, model, loader, opt = make_session()
+    train(ol, model, loader, opt, 4 * WARMUP_INTERVALS + 9)  # the warm-up's intervals of 4, then 9 steps
+    state = ol.state_dict()
+    assert state["stretch"] == MAX_STRETCH and len(state["rank0"]["window"]) == 9  # one window since the warm-up
+    assert state["intervals"] == WARMUP_INTERVALS
+    fresh, *_ = make_session()
+    fresh.load_state_dict(state)
+    assert fresh.window_steps == 4 * MAX_STRETCH and same(fresh.state_dict(), state)
+    never, *_ = make_session(min_window_s=0)
+    never.load_state_dict(state)  # a resume may turn the stretch off: intervals of 4 again
+    assert never.window_steps == 4 and never.state_dict()["stretch"] == 1
+    for session in (ol, fresh, never):
+        session.release()
 
 
 def test_loading_before_the_loader_and_model_exist_is_kept():

@@ -56,6 +56,7 @@ from omnilearn.bsp.rng import load_rng_state, rank_seed, rng_state, seed_rank
 from omnilearn.checkpoint import CheckpointError, CheckpointStore
 from omnilearn.config import ConfigError
 from omnilearn.data.position import UnverifiedResumeWarning, keyword
+from omnilearn.decisions import MAX_STRETCH
 from omnilearn.distributed.collect import broadcast_bytes, broadcast_chunks, gather_bytes
 from omnilearn.distributed.group import DistContext, cpu_group
 
@@ -213,7 +214,8 @@ def session_state(session: Session, rows: bool = True) -> dict:
             "steps_done": session.steps_done, "next_step": session.next_step, "train_s": session.clock.at_last_step_s,
             "loop": session.loop.state_dict(), "schedule": session.schedule.state_dict(),
             "sampler": session.sampler.state_dict(), "data": session.sampler.basis() or {},
-            "checks": session.checks_on, f"rank{session.rank}": mine}
+            "checks": session.checks_on, "stretch": session.window_steps // session.cfg.control_interval,
+            "intervals": session.intervals, f"rank{session.rank}": mine}
 
 
 def load_session_state(session: Session, state: dict) -> None:
@@ -231,6 +233,9 @@ def load_session_state(session: Session, state: dict) -> None:
         session.loop.load_state_dict(state["loop"])
         session.schedule.load_state_dict(state["schedule"])
         session.checks_on = bool(state.get("checks", True))  # as the last interval left it (older states: on)
+        session.intervals = int(state.get("intervals", 0))  # the stretch's warm-up goes on (elastic: afresh)
+        if session.cfg.min_window_s > 0:  # as the last interval stretched it (older states: not stretched)
+            session.window_steps = session.cfg.control_interval * min(int(state.get("stretch", 1)), MAX_STRETCH)
     session.sampler.load_state_dict(state["sampler"])
     session.steps_done, session.next_step = int(state["steps_done"]), int(state["next_step"])
     session.clock.restore(float(state["train_s"]))

@@ -109,7 +109,7 @@ from omnilearn.config import AUTO, BalanceConfig, ConfigError
 from omnilearn.data.loader import BalancedLoader
 from omnilearn.data.plan import BatchSchedule, VariableBatchSampler
 from omnilearn.data.windows import IndexStream
-from omnilearn.decisions import check_every, make_loop
+from omnilearn.decisions import MAX_STRETCH, check_every, make_loop
 from omnilearn.distributed import failures, group
 from omnilearn.distributed.lost import peer_lost
 from omnilearn.distributed.collect import sum_tensor
@@ -147,6 +147,8 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         # steps between looks for a speed shift (0: none; one worker has nothing to shift against)
         self.check_every = check_every(cfg.control_interval) if ctx.world_size > 1 else 0
         self.checks_on = True  # whether the checks pay at the last interval's step time (decisions.checks_pay)
+        self.window_steps, self.intervals = cfg.control_interval, 0  # the open window's length, intervals read
+        self.slots = cfg.control_interval * (MAX_STRETCH if cfg.min_window_s > 0 else 1)  # rows a meeting carries
         self.steps_done = self.next_step = 0
         self.model: nn.Module | None = None
         self.loader: BalancedLoader | None = None
@@ -180,11 +182,6 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
     def epoch(self) -> int:
         """The epoch the loader's next iteration serves (after a resume: the checkpoint's)."""
         return self.sampler.epoch
-
-    @property
-    def interval_ended(self) -> bool:
-        """Whether the last reported step closed a control interval (buffers equal, no open window)."""
-        return self.ledger.window_size() == 0
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -279,7 +276,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         self.steps_done, self.next_step = self.steps_done + 1, step + 1
         self._read_meeting()  # the previous step's meeting, if it had one (its collective is done by now)
         size = self.ledger.window_size()
-        if size == self.cfg.control_interval or step + 1 == self.run.total_steps:
+        if size >= self.window_steps or step + 1 == self.run.total_steps:
             self._end_interval(step)
         elif self.check_every and self.checks_on and size % self.check_every == 0:
             self._check(step)

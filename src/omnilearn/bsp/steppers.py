@@ -11,7 +11,9 @@ attributes: ``cfg``, ``ctx``, ``loop``, ``schedule``, ``ledger``, ``micro``,
   its file, buffers, telemetry) and the mid-interval checks for a speed shift
   (:mod:`omnilearn.bsp.interval`), held while the last interval's steps were
   too short for a check's meeting to pay (:func:`~omnilearn.decisions.checks_pay`:
-  a shift then waits for the interval's end); both carry this rank's pending
+  a shift then waits for the interval's end), and a window stretched to whole
+  intervals where they last under ``min_window_s`` once the loop has settled
+  (:func:`~omnilearn.decisions.window_steps`); both carry this rank's pending
   reducer reset and, if any rank has one, make every rank reset DDP's reducer after
   the same step (:class:`~omnilearn.bsp.memory.ReducerResets`).
 
@@ -46,7 +48,7 @@ from omnilearn.bsp import memory, sharded
 from omnilearn.balance.controllers import Decision
 from omnilearn.bsp.interval import Meeting, window_meeting
 from omnilearn.decisions import (CHECK, INTERVAL, check, checks_pay, feed, interval_step_s, reset_asked,
-                                 stop_asked)
+                                 settled, stop_asked, window_steps)
 from omnilearn.distributed.lost import peer_lost
 from omnilearn.observe.rankrows import Totals
 from omnilearn.stopping import stop_requested
@@ -147,11 +149,23 @@ class IntervalEnds:
 
     meeting: WindowRead | None = None
 
+    @property
+    def interval_ended(self) -> bool:
+        """Whether the last reported step closed a control window (buffers equal, no open window)."""
+        return self.ledger.window_size() == 0
+
+    @property
+    def at_interval_boundary(self) -> bool:
+        """Whether the last reported step ends a whole number of control intervals in the open window: a window
+        end, or a point inside one stretched for short steps where an unstretched run would end an interval
+        (where ``omnilearn train`` saves a due checkpoint: the save syncs the buffers first)."""
+        return self.ledger.window_size() % self.cfg.control_interval == 0
+
     def _end_interval(self, step: int) -> None:
         rows = self.ledger.take_rows()
         meeting = window_meeting(self.ctx, self.loop, self.schedule, INTERVAL, step, self.steps_done, rows,
                                  stop_requested(), cap=self.memory.reported(), reset=self.resets.report(),
-                                 slots=self.cfg.control_interval)
+                                 slots=self.slots)
         self._started(WindowRead(meeting, INTERVAL, step, rows))
 
     def _check(self, step: int) -> None:
@@ -159,7 +173,7 @@ class IntervalEnds:
         rows = self.ledger.rows()
         meeting = window_meeting(self.ctx, self.loop, self.schedule, CHECK, step, self.steps_done, rows,
                                  cap=self.memory.reported(), reset=self.resets.report(), summarised=self.check_every,
-                                 slots=self.cfg.control_interval)
+                                 slots=self.slots)
         self._started(WindowRead(meeting, CHECK, step, rows[:]))
 
     def _started(self, read: WindowRead) -> None:
@@ -199,7 +213,11 @@ class IntervalEnds:
         self.resets.met(reset_asked(table))
         if read.kind == INTERVAL:
             self.should_stop = self.should_stop or stop_asked(table)
-            self.checks_on = checks_pay(interval_step_s(table), self.check_every)
+            step_s = interval_step_s(table)
+            self.checks_on = checks_pay(step_s, self.check_every)
+            self.intervals += 1
+            self.window_steps = window_steps(step_s, self.cfg.control_interval, self.cfg.min_window_s,
+                                             settled(decision, self.intervals))
             self._close_window(at, decision, read)
         elif decision is not None:  # recorded: the window ends with the steps the check saw
             self.ledger.take_first(len(read.rows))

@@ -91,6 +91,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--accumulation-steps", type=int, help="micro-batches per optimizer step on every worker (default 1); "
         "the global batch is per optimizer step")
     add("--control-interval", type=int, help=f"steps between controller decisions (default {d['control_interval'].default})")
+    add("--min-window-s", type=float, help="a control window shorter than this many seconds is stretched to whole "
+        f"intervals, at most 8 (short steps: fewer meetings); 0: never (default {d['min_window_s'].default:g})")
     add("--overwrite", action="store_true", help="replace a previous run in --out")
     add("--device", choices=DEVICES, help="auto (default: CUDA if present), cpu or cuda")
     add("--loader-workers", type=int, help="DataLoader worker processes per worker (default 0)")

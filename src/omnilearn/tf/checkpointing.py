@@ -66,6 +66,7 @@ import tensorflow as tf
 from omnilearn.commit import commit_directory, committed_directories
 from omnilearn.config import ConfigError
 from omnilearn.data.position import UnverifiedResumeWarning, basis, keyword, mismatch
+from omnilearn.decisions import MAX_STRETCH
 from omnilearn.tf.changed import refuse_changed, shapes
 
 FORMAT = 1
@@ -216,6 +217,7 @@ def session_state(s) -> dict[str, Any]:
             "data": basis(s.plan), "steps_done": s.steps_done, "next_step": s.next_step,
             "train_s": s.clock.at_last_step_s,
             "loop": s.loop.state_dict(), "schedule": s.schedule.state_dict(), "checks": s.checks_on,
+            "stretch": s.window_steps // s.cfg.control_interval, "intervals": s.intervals,
             "telemetry": s.telemetry.state_dict() if s.telemetry is not None else {},
             "variables": {"model": shapes(s.model.weights), "optimizer": shapes(s.optimizer.variables)}}
 
@@ -268,6 +270,9 @@ def load_session_state(s, state: dict[str, Any]) -> None:
         s.loop.load_state_dict(state["loop"])
         s.schedule.load_state_dict(state["schedule"])
         s.checks_on = bool(state.get("checks", True))  # as the last interval left it (older states: on)
+        s.intervals = int(state.get("intervals", 0))  # the stretch's warm-up goes on (elastic: afresh)
+        if s.cfg.min_window_s > 0:  # as the last interval stretched it (older states: not stretched)
+            s.window_steps = s.cfg.control_interval * min(int(state.get("stretch", 1)), MAX_STRETCH)
     s.steps_done, s.next_step = int(state["steps_done"]), int(state["next_step"])
     s.clock.restore(float(state["train_s"]))
     if s.telemetry is not None:

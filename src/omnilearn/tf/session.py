@@ -66,8 +66,9 @@ import tensorflow as tf
 from omnilearn.balance.loop import WINDOW_FIELDS
 from omnilearn.config import AUTO, BalanceConfig, ConfigError, api_wording
 from omnilearn.data.schedule import BatchSchedule, GlobalPlan
-from omnilearn.decisions import (CHECK, HEADER, INTERVAL, check, check_every, checks_pay, feed, interval_step_s,
-                                 make_loop, stop_asked, summarise, table_row)
+from omnilearn.decisions import (CHECK, HEADER, INTERVAL, MAX_STRETCH, check, check_every, checks_pay, feed,
+                                 interval_step_s, make_loop, settled, stop_asked, summarise, table_row,
+                                 window_steps)
 from omnilearn.emulation.delay import DelayEmulator
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.recorder import ROW_FIELDS, Telemetry
@@ -113,7 +114,10 @@ class TFSession:
         self.emulator = DelayEmulator(self.timer)
         self.check_every = check_every(cfg.control_interval)
         self.checks_on = True  # whether the checks pay at the last interval's step time (decisions.checks_pay)
-        width = HEADER + WINDOW_FIELDS + 1 + cfg.control_interval * len(ROW_FIELDS)
+        self.window_steps = cfg.control_interval  # stretched where intervals are short (as PyTorch's session)
+        self.intervals = 0  # interval ends read in this run (the stretch waits for decisions.WARMUP_INTERVALS)
+        slots = cfg.control_interval * (MAX_STRETCH if cfg.min_window_s > 0 else 1)
+        width = HEADER + WINDOW_FIELDS + 1 + slots * len(ROW_FIELDS)
         self.gather = Gather(strategy, cluster.rank, cluster.world_size, width)
         self.clock = TrainClock()
         self.train_step: TrainStep | None = None
@@ -263,7 +267,8 @@ class TFSession:
                           self.learning_rate()])
         self.open_step, self.steps_done, self.next_step = None, self.steps_done + 1, step + 1
         size = len(self.rows)
-        interval = size == self.cfg.control_interval or step + 1 == self.run.total_steps
+        interval = size >= self.window_steps or step + 1 == self.run.total_steps or \
+            (size % self.cfg.control_interval == 0 and self.checkpoints is not None and self.checkpoints.due())
         try:
             if interval:
                 self._end_window(step, INTERVAL)
@@ -302,7 +307,11 @@ class TFSession:
         if kind == INTERVAL:
             decision = feed(self.loop, self.schedule, at, head, read_ahead=1)
             self.should_stop = self.should_stop or stop_asked(head)
-            self.checks_on = checks_pay(interval_step_s(head), self.check_every)  # as PyTorch's session
+            step_s = interval_step_s(head)  # as PyTorch's session
+            self.checks_on = checks_pay(step_s, self.check_every)
+            self.intervals += 1
+            self.window_steps = window_steps(step_s, self.cfg.control_interval, self.cfg.min_window_s,
+                                             settled(decision, self.intervals))
         else:
             decision = check(self.loop, self.schedule, at, head, read_ahead=1)
             if decision is None:

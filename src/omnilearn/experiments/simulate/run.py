@@ -22,8 +22,11 @@ import numpy as np
 from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.balance.windows import window_row, window_table
-from omnilearn.decisions import check_every, checks_pay
+from omnilearn.config import BalanceConfig
+from omnilearn.decisions import check_every, checks_pay, settled, window_steps
 from omnilearn.experiments.simulate.model import NoiseStream, Scenario, balanced
+
+MIN_WINDOW_S = BalanceConfig.min_window_s  # the runtime's default (decisions.window_steps)
 
 REACTION_TOLERANCE, REACTION_WINDOW = 0.10, 5  # as the bench: within 10% of ideal, that step and a 5-step median
 
@@ -89,6 +92,7 @@ def run_controller(sc: Scenario, name: str) -> Trace:
     times, ran = [], []  # this window's per-step compute times and batches
     check = check_every(sc.interval) if sc.checks else 0
     checks_on = True  # as the runtime: held while the last interval's steps were too short for a check to pay
+    window, intervals = sc.interval, 0  # as the runtime: stretched to whole intervals where they are short
     for step in range(sc.steps):
         while pending and pending[0][0] <= step:
             now = pending.pop(0)[1]
@@ -100,16 +104,20 @@ def run_controller(sc: Scenario, name: str) -> Trace:
         times.append(compute)
         ran.append(now)
         size = len(times)
-        if size == sc.interval or step + 1 == sc.steps:
+        if size >= window or step + 1 == sc.steps:
             first = 0
         elif check and checks_on and size % check == 0:
             first = size - check
         else:
             continue
         if first == 0:
-            checks_on = checks_pay(float(np.median(trace.step_s[step - size + 1: step + 1])), check)
+            step_s = float(np.median(trace.step_s[step - size + 1: step + 1]))
+            checks_on = checks_pay(step_s, check)
         decision = decide(loop, trace, step, np.array(times[first:]).T, np.array(ran[first:]).T,
                           trace.step_s[step - (size - first) + 1: step + 1], look=first > 0)
+        if first == 0:
+            intervals += 1
+            window = window_steps(step_s, sc.interval, MIN_WINDOW_S, settled(decision, intervals))
         if decision is None:
             continue
         times, ran = [], []

@@ -158,7 +158,7 @@ class BSPTrainer:
             self.hang_at = None
             faultinject.freeze()
         session = self.session
-        if not session.interval_ended:
+        if not session.at_interval_boundary:
             return
         due = self.next_checkpoint is not None and session.next_step >= self.next_checkpoint
         if due or session.should_stop:
