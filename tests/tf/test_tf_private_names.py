@@ -16,7 +16,9 @@ tested: tensorflow-cpu 2.21.0, keras 3.15.1). What the door uses, and where:
   ``BackupAndRestore``'s ``backup_dir``, ``save_freq``, ``double_checkpoint``, ``delete_checkpoint``;
   ``Optimizer.scale_loss(loss)``; a ``LossScaleOptimizer`` that skips a step of non-finite gradients and
   halves its scale (``omnilearn.tf.steps.agree_finite`` makes every worker see the same finiteness); a Keras 3
-  model's variables checkpointed by position (``omnilearn.tf.changed``).
+  model's variables checkpointed by position (``omnilearn.tf.changed``);
+- ``tensorflow.python.eager.context.context().check_alive(device)`` (``omnilearn.tf.asp``: a failed call's
+  worker, gone or alive).
 
 Run: ``python -m pytest -q tests/tf/test_tf_private_names.py``
 """
@@ -120,3 +122,11 @@ def test_a_keras_model_is_checkpointed_by_position(keras, tf, tmp_path):
     optimizer.build(other.trainable_variables)
     tf.train.Checkpoint(model=other, optimizer=optimizer).read(str(tmp_path / "model")).assert_consumed()
     assert np.array_equal(other.get_weights()[0], np.ones((2, 3)))
+
+
+def test_the_eager_context_tells_whether_a_remote_task_is_alive(tf):
+    from tensorflow.python.eager import context
+
+    check = getattr(context.context(), "check_alive", None)
+    assert callable(check) and parameters(check) == ["worker_name"], \
+        "TensorFlow moved context.context().check_alive(worker_name): omnilearn.tf.asp tells a dead worker by it"
