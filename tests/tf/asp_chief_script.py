@@ -1,10 +1,11 @@
 """A TensorFlow ASP run for tests/tf/test_tf_asp.py: one ps and ``workers`` worker servers as processes, the chief here.
 
-``python asp_chief_script.py OUT WORKERS BATCHES EPOCHS MAX_STALENESS [KILL_WORKER KILL_AFTER]``: trains a small
-float64 MLP on a seeded synthetic set (256 samples, 8 features, 3 classes) with plain SGD, writes
-``OUT/summary.json`` (the chief's summary with the applied pushes in order) and ``OUT/weights.npz`` (the initial
-and final weights). ``MAX_STALENESS``: ``none`` or the bound. ``KILL_WORKER KILL_AFTER``: that worker's server
-gets SIGKILL once the chief has applied ``KILL_AFTER`` pushes. ``ASP_B_REF`` (environment): the chief's ``b_ref``.
+``python asp_chief_script.py OUT WORKERS GLOBAL_BATCH SPEEDS CONTROLLER EPOCHS MAX_STALENESS [KILL_WORKER
+KILL_AFTER]``: trains a small float64 MLP on a seeded synthetic set (256 samples, 8 features, 3 classes) with
+plain SGD, writes ``OUT/summary.json`` (the chief's summary with the applied pushes in order) and
+``OUT/weights.npz`` (the initial and final weights). ``MAX_STALENESS``: ``none`` or the bound. ``KILL_WORKER
+KILL_AFTER``: that worker's server gets SIGKILL once the chief has applied ``KILL_AFTER`` pushes.
+``ASP_MAX_BATCH`` (environment): ``max_batch``; ``ASP_INTERVAL``: ``control_interval`` (default 4).
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def loss(y, logits):
 
 
 def main() -> None:
-    out, workers, batches, epochs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    bound = None if sys.argv[5] == "none" else int(sys.argv[5])
-    kill = (int(sys.argv[6]), int(sys.argv[7])) if len(sys.argv) > 7 else None
+    out, workers, global_batch, speeds, controller, epochs = (Path(sys.argv[1]), int(sys.argv[2]),
+                                                              int(sys.argv[3]), sys.argv[4], sys.argv[5],
+                                                              int(sys.argv[6]))
+    bound = None if sys.argv[7] == "none" else int(sys.argv[7])
+    kill = (int(sys.argv[8]), int(sys.argv[9])) if len(sys.argv) > 9 else None
     from omnilearn.tf.cluster import free_ports
     ports = free_ports(workers + 1)
     spec = {"worker": [f"localhost:{p}" for p in ports[:workers]], "ps": [f"localhost:{ports[-1]}"]}
@@ -62,11 +65,13 @@ def main() -> None:
         strategy = tf.distribute.ParameterServerStrategy(
             tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(spec), rpc_layer="grpc"))
         x, y = data()
+        from omnilearn.config import BalanceConfig
+        cfg = BalanceConfig(workers=workers, global_batch=global_batch, speeds=speeds, controller=controller, seed=5,
+                            control_interval=int(os.environ.get("ASP_INTERVAL", "4")),
+                            max_batch=int(os.environ["ASP_MAX_BATCH"]) if "ASP_MAX_BATCH" in os.environ else None)
         killer = None if kill is None else (kill[1], lambda: servers[("worker", kill[0])].send_signal(signal.SIGKILL))
-        chief = Chief(strategy, workers, build, loss, lambda: keras.optimizers.SGD(LR), x, y,
-                      [int(b) for b in batches.split(",")], epochs, seed=5, max_staleness=bound, keep_order=True,
-                      b_ref=float(os.environ["ASP_B_REF"]) if "ASP_B_REF" in os.environ else None,
-                      kill=killer)
+        chief = Chief(strategy, cfg, build, loss, lambda: keras.optimizers.SGD(LR), x, y, epochs,
+                      max_staleness=bound, keep_order=True, kill=killer)
         initial = [v.numpy() for v in chief.model.weights]
         devices = sorted({v.value.device for v in chief.model.weights + chief.optimizer.variables})
         summary = {**chief.run(), "variable_devices": devices}

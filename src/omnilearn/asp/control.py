@@ -39,11 +39,28 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from omnilearn.balance.controllers import Decision
+from omnilearn.balance.allocation import Bounds, proportional_split
+from omnilearn.balance.controllers import Decision, make_controller
 from omnilearn.balance.loop import ControlLoop, window_row
+from omnilearn.config import BalanceConfig
 from omnilearn.decisions import scripted_times
 
 NewLoop = Callable[[Sequence[int], Sequence[int]], ControlLoop]  # (live workers, their batches to keep) -> loop
+
+
+def push_loop(cfg: BalanceConfig, declared: Sequence[float], total_pushes: int, live: Sequence[int],
+              batches: Sequence[int] | None = None) -> ControlLoop:
+    """A ControlLoop over the ``live`` workers (``declared``: every worker's declared speed); ``batches``: the plan
+    shares ``B`` in their proportion. The servers' ``new_loop`` (PyTorch's and TensorFlow's)."""
+    live = list(live)
+    total = min(cfg.global_batch, len(live) * cfg.upper_batch)  # live x max_batch may no longer hold B
+    bounds = Bounds(total, len(live), cfg.min_batch, cfg.max_batch)
+    loop = ControlLoop(make_controller(cfg.controller, bounds, [declared[w] for w in live]), deadband=cfg.deadband,
+                       total_steps=total_pushes)
+    if batches is not None:
+        plan = proportional_split([max(1, b) for b in batches], bounds)
+        loop.load_state_dict({"batches": plan, "slot": 0, "windows": [[] for _ in live]})
+    return loop
 
 
 class PushControl:

@@ -54,15 +54,13 @@ import torch
 from torch import nn
 
 from omnilearn import stopping
-from omnilearn.asp.control import PushControl
+from omnilearn.asp.control import PushControl, push_loop
 from omnilearn.asp.faults import KillPoint
 from omnilearn.asp.flat import Flat
 from omnilearn.asp.membership import Membership
 from omnilearn.asp.rules import Coverage, IndexDealer, Liveness, Staleness, over_bound, push_lr
 from omnilearn.asp.settings import ASPSettings
 from omnilearn.asp.snapshot import Snapshots
-from omnilearn.balance.allocation import Bounds, proportional_split
-from omnilearn.balance.controllers import make_controller
 from omnilearn.balance.loop import ControlLoop
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.config import BalanceConfig
@@ -110,16 +108,7 @@ class ParameterServer:
 
     def new_loop(self, live: Sequence[int], batches: Sequence[int] | None = None) -> ControlLoop:
         """A ControlLoop over the ``live`` workers; ``batches``: the plan shares ``B`` in their proportion."""
-        cfg, live = self.cfg, list(live)
-        total = min(cfg.global_batch, len(live) * cfg.upper_batch)  # live x max_batch may no longer hold B
-        bounds = Bounds(total, len(live), cfg.min_batch, cfg.max_batch)
-        speeds = self.run.speeds.at(0)
-        loop = ControlLoop(make_controller(cfg.controller, bounds, [speeds[w] for w in live]), deadband=cfg.deadband,
-                           total_steps=self.total_pushes)
-        if batches is not None:
-            plan = proportional_split([max(1, b) for b in batches], bounds)
-            loop.load_state_dict({"batches": plan, "slot": 0, "windows": [[] for _ in live]})
-        return loop
+        return push_loop(self.cfg, self.run.speeds.at(0), self.total_pushes, live, batches)
 
     @property
     def batches(self) -> tuple[int, ...]:

@@ -12,8 +12,15 @@ and what was measured are in docs/tensorflow.md, "Asynchronous training". Roles:
   (``tf.device("/job:worker/replica:0/task:i")``): the worker reads ``version``, then the weights, and returns
   its loss, the version it read and its gradient as one flat tensor. The chief applies it, one push at a time
   under its lock, with the Keras optimizer under ``strategy.run`` (the update runs on the parameter server),
-  scaled by ``b_i / b_ref`` (the linear learning-rate scaling of the PyTorch server,
-  :func:`~omnilearn.asp.rules.push_lr`, on the gradient: the same update for SGD), and bumps ``version``.
+  scaled by ``b / b_ref`` (``b`` its samples, ``b_ref = B / n``: the linear learning-rate scaling of the
+  PyTorch server, :func:`~omnilearn.asp.rules.push_lr`, entered through the gradient as there), and bumps
+  ``version``.
+- The batches: the PyTorch server's controller (:class:`~omnilearn.asp.control.PushControl` over
+  :func:`~omnilearn.asp.control.push_loop`), fed each worker's cycle (dispatch to gradient in hand, plus its
+  emulated delay) at its batch: every ``control_interval x live`` pushes it re-plans, so the workers push at the
+  same rate; a dropped worker's share goes to the others. An emulated slower worker (``cfg.speeds``, the delay
+  emulator) is the chief waiting ``(slowdown - 1) x`` the gradient's time before it applies that push: the
+  gradient ages as a slower worker's would (no Python runs on a remote worker to sleep there).
 
 So, as on the PyTorch server: workers send gradients, never weights, and keep no optimizer state; a push is
 applied whole or not at all (the chief holds all of it before it applies any); its staleness is the pushes
@@ -26,12 +33,13 @@ a read that overlaps an apply may see some weights one version newer, so the cou
 Nothing is applied twice, nothing lost: :class:`~omnilearn.asp.rules.Coverage` counts every sample of every
 epoch.
 
-Not yet: the controller (each worker's batch is fixed at the start), checkpoints, the launcher's ``chief`` and
-``ps`` roles, the emulated slowdown inside the push. Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
+Not yet: checkpoints and resume, a speed schedule, the launcher's ``chief`` and ``ps`` roles and ``--mode
+asp``, ``summary.json``. Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,7 +49,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
 
+from omnilearn.asp.control import PushControl, push_loop
 from omnilearn.asp.rules import Coverage, IndexDealer, Staleness, over_bound
+from omnilearn.config import BalanceConfig
+from omnilearn.emulation.speeds import parse_speeds, slowdown
 
 
 MAX_RESENDS = 3  # a live worker whose call keeps failing is dropped after this many resends of one push
@@ -71,23 +82,26 @@ class PushLog:
 class Chief:
     """One asynchronous run over ``strategy``'s workers (see the module docstring).
 
-    ``build_model()`` and ``make_optimizer()`` are called under the strategy's scope (their variables go to the
-    parameter servers); ``loss(y, y_pred)`` is a Keras loss. ``x``, ``y``: the training arrays, copied once to
-    every worker. ``batches``: each worker's batch; ``b_ref``: the batch whose push moves the model by the
-    optimizer's own rate (default ``sum(batches) / workers``). ``kill``: tests only, ``(after_pushes, fn)``:
-    ``fn()`` is called (it kills a worker's server) once the chief has applied that many pushes.
+    ``cfg``: the run's settings (``workers``, ``global_batch``, ``controller``, ``speeds``, ``control_interval``,
+    ``min_batch``, ``max_batch``, ``deadband``, ``seed``, ``emulator``). ``build_model()`` and
+    ``make_optimizer()`` are called under the strategy's scope (their variables go to the parameter servers);
+    ``loss(y, y_pred)`` is a Keras loss. ``x``, ``y``: the training arrays, copied once to every worker.
+    ``kill``: tests only, ``(after_pushes, fn)``: ``fn()`` is called (it kills a worker's server) once the chief
+    has applied that many pushes.
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, workers: int, build_model: Callable[[], object],
-                 loss: Callable, make_optimizer: Callable[[], object], x: np.ndarray, y: np.ndarray,
-                 batches: Sequence[int], epochs: int, seed: int = 0, b_ref: float | None = None,
+    def __init__(self, strategy: tf.distribute.Strategy, cfg: BalanceConfig, build_model: Callable[[], object],
+                 loss: Callable, make_optimizer: Callable[[], object], x: np.ndarray, y: np.ndarray, epochs: int,
                  max_staleness: int | None = None, keep_order: bool = False,
                  kill: tuple[int, Callable[[], None]] | None = None) -> None:
-        if len(batches) != workers or min(batches) < 1:
-            raise ValueError(f"batches {list(batches)}: give one positive batch per worker ({workers})")
-        self.strategy, self.workers, self.loss, self.epochs = strategy, workers, loss, epochs
-        self.batches = [int(b) for b in batches]
-        self.b_ref = float(b_ref) if b_ref is not None else sum(self.batches) / workers
+        workers = cfg.workers
+        self.strategy, self.cfg, self.workers, self.loss, self.epochs = strategy, cfg, workers, loss, epochs
+        self.b_ref = cfg.global_batch / workers
+        declared = parse_speeds(cfg.speeds, workers, cfg.levels)
+        self.slowdown = [slowdown(declared, w) if cfg.emulator == "delay" else 1.0 for w in range(workers)]
+        total_pushes = max(1, math.ceil(epochs * len(x) / self.b_ref))
+        self.control = PushControl(push_loop(cfg, declared, total_pushes, range(workers)), cfg.control_interval,
+                                   lambda live, batches=None: push_loop(cfg, declared, total_pushes, live, batches))
         self.max_staleness, self.keep_order, self.kill = max_staleness, keep_order, kill
         with strategy.scope():
             self.model = build_model()
@@ -100,13 +114,19 @@ class Chief:
         for w in range(workers):  # the arrays, once, into each worker's memory
             with tf.device(worker_device(w)):
                 self.data.append((tf.identity(tf.constant(x)), tf.identity(tf.constant(y))))
-        self.dealer, self.coverage = IndexDealer(len(x), seed), Coverage(len(x))
+        self.dealer, self.coverage = IndexDealer(len(x), cfg.seed), Coverage(len(x))
         self.staleness, self.log = Staleness(workers), PushLog(workers)
+        self.decisions: list[tuple[int, tuple[int, ...]]] = []  # (version, batches) after each change
         self.applied = 0  # pushes applied (the chief is the only writer of ``version``)
         self.in_flight = 0
         self.changed = threading.Condition()  # the chief's lock; notified when a push ends (indices may be back)
         self.gradient = tf.function(self._gradient)
         self.apply = tf.function(self._apply)
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        """Every worker's batch now (0 for a dropped one)."""
+        return self.control.batches
 
     def _gradient(self, x, y, indices):
         """On the worker: the loss, the version read before the weights, the gradient as one flat tensor."""
@@ -144,7 +164,7 @@ class Chief:
         flight may still fail and give its indices back: then they are dealt here)."""
         with self.changed:
             while True:
-                epoch, indices = self.dealer.deal(self.batches[worker])
+                epoch, indices = self.dealer.deal(self.control.batches[worker])
                 if epoch < self.epochs:
                     self.in_flight += 1
                     return epoch, indices
@@ -157,11 +177,12 @@ class Chief:
     def _serve(self, worker: int) -> None:
         """One worker's pushes, one after another, until nothing is left to deal or its server is gone."""
         x, y = self.data[worker]
-        scale = tf.constant(self.batches[worker] / self.b_ref, dtype=tf.float64)
         while (dealt := self._deal(worker)) is not None:
             epoch, indices = dealt
+            scale = tf.constant(len(indices) / self.b_ref, dtype=tf.float64)
             retried, resends = False, 0
             while True:
+                began = time.perf_counter()
                 try:
                     with tf.device(worker_device(worker)):
                         loss, seen, flat = self.gradient(x, y, tf.constant(indices, dtype=tf.int32))
@@ -173,12 +194,16 @@ class Chief:
                         continue
                     self._drop(worker, epoch, indices, e)
                     return
-                if self._push(worker, epoch, indices, loss, seen, flat, scale, retried):
+                took_s = time.perf_counter() - began
+                if self.slowdown[worker] > 1.0:  # an emulated slower worker: its gradient arrives later
+                    time.sleep((self.slowdown[worker] - 1.0) * took_s)
+                cycle_s = time.perf_counter() - began
+                if self._push(worker, epoch, indices, loss, seen, flat, scale, retried, cycle_s):
                     break
                 retried = True  # refused as too stale: the same samples on fresh weights
 
     def _push(self, worker: int, epoch: int, indices: list[int], loss: float, seen: int, flat: np.ndarray,
-              scale: tf.Tensor, retried: bool) -> bool:
+              scale: tf.Tensor, retried: bool, cycle_s: float) -> bool:
         """Apply one push, or refuse it as too stale (False: the worker recomputes it)."""
         kill = None
         with self.changed:
@@ -194,6 +219,10 @@ class Chief:
             self.log.last_loss = loss
             if self.keep_order:
                 self.log.order.append((worker, epoch, list(indices), seen, stale, retried))
+            if self.control.record(worker, len(indices), cycle_s, self.slowdown[worker]):
+                decision = self.control.decide(self.applied)
+                if decision.changed:
+                    self.decisions.append((self.applied, self.control.batches))
             self.in_flight -= 1
             self.changed.notify_all()
             if self.kill is not None and self.applied >= self.kill[0]:
@@ -206,6 +235,7 @@ class Chief:
         with self.changed:
             self.dealer.take_back(epoch, indices)
             self.in_flight -= 1
+            self.control.drop(worker)  # its share goes to the live others
             self.log.dropped[worker] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
             self.changed.notify_all()
 
@@ -218,4 +248,5 @@ class Chief:
                               "p99": [s.quantile(0.99, w) for w in range(self.workers)],
                               "max": list(s.maxima), "refused": list(s.refused)},
                 "coverage": self.coverage.summary(), "last_loss": self.log.last_loss,
+                "batches": list(self.control.batches), "decisions": [[v, list(b)] for v, b in self.decisions],
                 "order": self.log.order}
