@@ -16,7 +16,11 @@ chief (the coordinator) in the script's, a float64 MLP on 256 synthetic samples,
   run; no sample is lost or repeated and no push is applied that the chief did not count (a call of worker 0
   that failed with its peer is sent again).
 
-Not yet built (docs/tensorflow.md): ``omnilearn train --framework tensorflow --mode asp``, checkpoints.
+- ``omnilearn train --framework tensorflow --mode asp`` (2 workers, ``mlp``, 30 steps of 2 pushes): the
+  launcher's parameter server, workers and chief; ``summary.json`` holds each worker's staleness quantiles, the
+  pushes end at ``--max-steps x --workers`` and the model learned (test accuracy above chance).
+
+Not yet built (docs/tensorflow.md): checkpoints and resume, several machines.
 
 Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
 """
@@ -103,3 +107,20 @@ def test_a_killed_worker_loses_no_sample_and_no_push_is_applied_twice(tmp_path):
     assert list(summary["dropped"]) == ["1"] and "Error" in summary["dropped"]["1"]
     assert summary["pushes"][0] > summary["pushes"][1] >= 1  # worker 0 ended the run
     assert summary["batches"] == [64, 0]  # its share went to worker 0
+
+
+def test_omnilearn_train_runs_tensorflow_asp_and_writes_the_staleness_per_worker(tmp_path, capfd):
+    from omnilearn.experiments.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "--framework", "tensorflow", "--mode", "asp", "--workers", "2", "--model", "mlp",
+                 "--max-steps", "30", "--lr", "0.2", "--out", str(out), "--no-plots"])
+    said = capfd.readouterr().out  # the chief's line comes from its own process
+    assert code == 0, said
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["mode"], summary["framework"], summary["workers"]) == ("asp", "tensorflow", 2)
+    assert sum(summary["pushes"]) == summary["applied"] == summary["version"] == 60
+    for key in ("p50", "p99", "max"):
+        assert len(summary["staleness"][key]) == 2
+    assert summary["coverage"]["repeated_samples"] == 0 and summary["test_accuracy"] > 0.2  # chance: 0.1
+    assert "staleness p50/p99/max per worker" in said and "writes no checkpoints yet" in said

@@ -147,14 +147,22 @@ class TrainConfig(BalanceConfig):
             object.__setattr__(self, "max_batch", self.max_batch[0])
 
     def _check_tensorflow(self) -> None:
-        """What ``--framework tensorflow`` (:mod:`omnilearn.tf`, BSP only) does not have yet: one line each."""
+        """What ``--framework tensorflow`` (:mod:`omnilearn.tf`; ASP: :mod:`omnilearn.tf.asp`) does not have yet."""
         if self.framework != "tensorflow":
             return
         if self.model not in ("cnn1d", "mlp") or self.dataset != "mnist1d":
             raise ConfigError(f"--framework tensorflow trains --model cnn1d or mlp on --dataset mnist1d (got "
                               f"{self.model} on {self.dataset}); for your own Keras model use omnilearn.tf "
                               "(docs/tensorflow.md)")
-        missing = {"--mode asp": self.mode == "asp", "--accumulation-steps": self.accumulation_steps != 1, "--max-batch auto": self.max_batch == AUTO,
+        if self.mode == "asp":
+            asp_missing = {"--resume": self.resume, "--max-restarts": self.max_restarts,
+                           "--speed-schedule": self.speed_schedule, "--staleness-lr": self.staleness_lr,
+                           "--lr-scaling none": self.lr_scaling == "none", "--max-time-s": self.max_time_s}
+            said = [flag for flag, asked in asp_missing.items() if asked]
+            if said:
+                raise ConfigError(f"--framework tensorflow --mode asp has no {said[0]} yet (docs/tensorflow.md); "
+                                  "drop it or use the PyTorch runtime")
+        missing = {"--accumulation-steps": self.accumulation_steps != 1, "--max-batch auto": self.max_batch == AUTO,
                    f"--emulator {self.emulator}": self.emulator not in ("delay", "none"),
                    "--loader-workers": self.loader_workers, "--device cuda": self.device == "cuda",
                    "--weight-decay with --optimizer sgd": self.weight_decay and self.optimizer == "sgd"}

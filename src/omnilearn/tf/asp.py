@@ -85,14 +85,15 @@ class Chief:
     ``cfg``: the run's settings (``workers``, ``global_batch``, ``controller``, ``speeds``, ``control_interval``,
     ``min_batch``, ``max_batch``, ``deadband``, ``seed``, ``emulator``). ``build_model()`` and
     ``make_optimizer()`` are called under the strategy's scope (their variables go to the parameter servers);
-    ``loss(y, y_pred)`` is a Keras loss. ``x``, ``y``: the training arrays, copied once to every worker.
+    ``loss(y, y_pred)`` is a Keras loss. ``x``, ``y``: the training arrays, copied once to every worker. The run
+    ends after ``epochs`` epochs, or ``max_pushes`` applied pushes if that comes first.
     ``kill``: tests only, ``(after_pushes, fn)``: ``fn()`` is called (it kills a worker's server) once the chief
     has applied that many pushes.
     """
 
     def __init__(self, strategy: tf.distribute.Strategy, cfg: BalanceConfig, build_model: Callable[[], object],
                  loss: Callable, make_optimizer: Callable[[], object], x: np.ndarray, y: np.ndarray, epochs: int,
-                 max_staleness: int | None = None, keep_order: bool = False,
+                 max_pushes: int | None = None, max_staleness: int | None = None, keep_order: bool = False,
                  kill: tuple[int, Callable[[], None]] | None = None) -> None:
         workers = cfg.workers
         self.strategy, self.cfg, self.workers, self.loss, self.epochs = strategy, cfg, workers, loss, epochs
@@ -102,7 +103,7 @@ class Chief:
         total_pushes = max(1, math.ceil(epochs * len(x) / self.b_ref))
         self.control = PushControl(push_loop(cfg, declared, total_pushes, range(workers)), cfg.control_interval,
                                    lambda live, batches=None: push_loop(cfg, declared, total_pushes, live, batches))
-        self.max_staleness, self.keep_order, self.kill = max_staleness, keep_order, kill
+        self.max_pushes, self.max_staleness, self.keep_order, self.kill = max_pushes, max_staleness, keep_order, kill
         with strategy.scope():
             self.model = build_model()
             self.optimizer = make_optimizer()
@@ -164,6 +165,12 @@ class Chief:
         flight may still fail and give its indices back: then they are dealt here)."""
         with self.changed:
             while True:
+                if self.max_pushes is not None and self.applied + self.in_flight >= self.max_pushes:
+                    if self.in_flight == 0:
+                        self.changed.notify_all()
+                        return None
+                    self.changed.wait()
+                    continue
                 epoch, indices = self.dealer.deal(self.control.batches[worker])
                 if epoch < self.epochs:
                     self.in_flight += 1

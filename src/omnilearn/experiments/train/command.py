@@ -65,6 +65,8 @@ def train_tensorflow(cfg: TrainConfig, args: argparse.Namespace) -> int:
                           "not under torchrun")
     if importlib.util.find_spec("tensorflow") is None:
         raise ConfigError("--framework tensorflow needs TensorFlow: pip install 'omnilearn-hetero[tensorflow]'")
+    if cfg.mode == "asp":
+        return train_tensorflow_asp(cfg, args)
     if os.environ.get("TF_CONFIG"):  # one worker of a cluster started by hand (each machine its own TF_CONFIG)
         from omnilearn.experiments.train import tfjob
 
@@ -83,6 +85,21 @@ def train_tensorflow(cfg: TrainConfig, args: argparse.Namespace) -> int:
     tflaunch.run_local(cfg, run_dir)
     if getattr(args, "plots", True):
         write_plots(run_dir)
+    return 0
+
+
+def train_tensorflow_asp(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    """``--framework tensorflow --mode asp``: a local parameter server, workers and chief (:mod:`.tfasp`)."""
+    from omnilearn.experiments.train import tfasp, workload
+
+    if os.environ.get("TF_CONFIG"):
+        raise ConfigError("--framework tensorflow --mode asp starts its own local cluster (parameter server, "
+                          "workers, chief); several machines (TF_CONFIG) are not supported yet")
+    steps = workload.look(cfg)
+    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
+    announce(cfg, steps, run_dir, " TensorFlow")
+    print("omnilearn: TensorFlow ASP writes no checkpoints yet (--checkpoint-every is not used)", flush=True)
+    tfasp.run_local(cfg, run_dir)
     return 0
 
 

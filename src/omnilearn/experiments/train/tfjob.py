@@ -169,8 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    code = main()
+def exit_now(code: int) -> None:
+    """Exit a TensorFlow process with ``code`` once its output is flushed (its run files are closed already):
+    TensorFlow's interpreter teardown takes a second or more of CPU."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # the run's files are closed; TensorFlow's interpreter teardown takes a second or more of CPU
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_now(main())

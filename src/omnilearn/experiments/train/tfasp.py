@@ -1,0 +1,126 @@
+"""``omnilearn train --framework tensorflow --mode asp``: a local ``ParameterServerStrategy`` cluster and its chief.
+
+Who does what. The launcher (:func:`run_local`, in the command's own process: it imports no TensorFlow) picks
+``--workers + 1`` free localhost ports and starts one parameter server and ``--workers`` workers, each a process
+that only hosts a ``tf.distribute.Server`` (``python -m omnilearn.experiments.train.tfasp server SPEC JOB
+INDEX``; its messages in ``RUN_DIR/tf-<job><index>.log``), then the chief (``... chief RUN_DIR SPEC``), which
+trains: :class:`omnilearn.tf.asp.Chief` over the default job's data and Keras model (MNIST-1D, ``cnn1d`` or
+``mlp``, :mod:`omnilearn.experiments.train.tfjob`) with its optimizer and rate schedule (per push; the PyTorch
+ASP defaults: SGD, no momentum), for ``--epochs``, or ``--max-steps`` steps of ``--workers`` pushes each (the
+PyTorch ASP server's count) if fewer; then it evaluates the model on the test split and writes ``RUN_DIR/summary.json``
+(pushes per worker, staleness p50/p99/max per worker, refusals, every epoch's coverage, the batches and each
+change of them, test accuracy, training time) and prints one line. When the chief exits, the servers are
+stopped; a chief that fails is named in one line with its log's last line.
+
+Refused in one line (``TrainConfig``'s TensorFlow check): what the chief does not do yet (``--resume``,
+``--max-restarts``, a speed schedule, ``--staleness-lr``, ``--lr-scaling none``, ``--max-time-s``), and
+``TF_CONFIG`` (several machines). It writes no checkpoints yet, whatever ``--checkpoint-every`` says: the start
+line says so.
+
+Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omnilearn.experiments.config import TrainConfig, build, load_toml
+from omnilearn.experiments.launch.supervise import WorkerFailed
+
+SERVER_START_S = 1.0  # the servers bind their ports before the chief connects (it retries meanwhile too)
+
+
+def run_local(cfg: TrainConfig, run_dir: Path) -> None:
+    from omnilearn.tf.cluster import free_ports
+
+    ports = free_ports(cfg.workers + 1)
+    spec = {"worker": [f"localhost:{p}" for p in ports[:-1]], "ps": [f"localhost:{ports[-1]}"]}
+    servers = []
+    try:
+        for job in ("ps", "worker"):
+            for index in range(len(spec[job])):
+                with open(run_dir / f"tf-{job}{index}.log", "w") as log:
+                    servers.append(subprocess.Popen([sys.executable, "-m", __name__, "server", json.dumps(spec), job,
+                                                     str(index)], stdout=subprocess.DEVNULL, stderr=log))
+        time.sleep(SERVER_START_S)
+        with open(run_dir / "tf-chief.log", "w") as log:
+            code = subprocess.run([sys.executable, "-m", __name__, "chief", str(run_dir), json.dumps(spec)],
+                                  stderr=log).returncode
+        if code:
+            raise WorkerFailed(f"the TensorFlow ASP chief failed (exit {code}): {last_line(run_dir / 'tf-chief.log')} "
+                               f"(log: {run_dir / 'tf-chief.log'})")
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
+def last_line(path: Path) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else "no output"
+
+
+def serve(spec: dict, job: str, index: int) -> None:
+    import tensorflow as tf
+
+    tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job, task_index=index, protocol="grpc",
+                         start=True).join()
+
+
+def chief(run_dir: Path, spec: dict) -> dict:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from omnilearn.experiments.datasets.mnist1d import mnist1d_arrays
+    from omnilearn.experiments.train.tfjob import build_model, make_optimizer
+    from omnilearn.tf.asp import Chief
+
+    cfg = build(load_toml(str(run_dir / "config.toml")), {})
+    arrays, _ = mnist1d_arrays()
+    x, y = arrays["x"], arrays["y"].astype("int32")
+    per_epoch = max(1, math.ceil(len(x) * cfg.workers / cfg.global_batch))  # pushes of B / n samples an epoch
+    strategy = tf.distribute.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(spec), rpc_layer="grpc"))
+    keras.utils.set_random_seed(cfg.seed)
+    run = Chief(strategy, cfg, lambda: build_model(cfg, x.shape[1], int(y.max()) + 1),
+                lambda t, p: keras.losses.sparse_categorical_crossentropy(t, p, from_logits=True),
+                lambda: make_optimizer(cfg, per_epoch * cfg.epochs, per_epoch), x, y, cfg.epochs,
+                max_pushes=cfg.max_steps * cfg.workers if cfg.max_steps else None, max_staleness=cfg.max_staleness)
+    summary = run.run()
+    logits = run.model(arrays["x_test"], training=False)
+    accuracy = float(np.mean(np.argmax(np.asarray(logits), axis=1) == arrays["y_test"]))
+    summary.pop("order")
+    summary = {"mode": "asp", "framework": "tensorflow", "workers": cfg.workers, "epochs": cfg.epochs,
+               "global_batch": cfg.global_batch, "test_accuracy": accuracy, **summary}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    s = summary["staleness"]
+    print(f"{sum(summary['pushes'])} pushes ({'/'.join(map(str, summary['pushes']))} per worker) in "
+          f"{summary['wall_s']:.1f} s | staleness p50/p99/max per worker "
+          f"{', '.join(f'{a}/{b}/{c}' for a, b, c in zip(s['p50'], s['p99'], s['max']))} | batches "
+          f"{'/'.join(map(str, summary['batches']))} | test accuracy {accuracy:.2%}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 4 and args[0] == "server":
+        serve(json.loads(args[1]), args[2], int(args[3]))
+        return 0
+    if len(args) == 3 and args[0] == "chief":
+        chief(Path(args[1]), json.loads(args[2]))
+        return 0
+    print("usage: python -m omnilearn.experiments.train.tfasp server SPEC JOB INDEX | chief RUN_DIR SPEC",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    from omnilearn.experiments.train.tfjob import exit_now
+
+    exit_now(main())
