@@ -19,8 +19,9 @@ and what was measured are in docs/tensorflow.md, "Asynchronous training". Roles:
   :func:`~omnilearn.asp.control.push_loop`), fed each worker's cycle (dispatch to gradient in hand, plus its
   emulated delay) at its batch: every ``control_interval x live`` pushes it re-plans, so the workers push at the
   same rate; a dropped worker's share goes to the others. An emulated slower worker (``cfg.speeds``, the delay
-  emulator) is the chief waiting ``(slowdown - 1) x`` the gradient's time before it applies that push: the
-  gradient ages as a slower worker's would (no Python runs on a remote worker to sleep there).
+  emulator) is the chief waiting ``(slowdown - 1) x`` the worker's own compute time (timed on the worker, the
+  call's transport left out) before it applies that push: the gradient ages as a slower worker's would (no
+  Python runs on a remote worker to sleep there).
 
 So, as on the PyTorch server: workers send gradients, never weights, and keep no optimizer state; a push is
 applied whole or not at all (the chief holds all of it before it applies any); its staleness is the pushes
@@ -130,14 +131,20 @@ class Chief:
         return self.control.batches
 
     def _gradient(self, x, y, indices):
-        """On the worker: the loss, the version read before the weights, the gradient as one flat tensor."""
+        """On the worker: the loss, the version read before the weights, the gradient as one flat tensor, and the
+        seconds the worker spent on it (the forward, with its reads of the weights, and the backward)."""
         seen = self.version.read_value()
         with tf.control_dependencies([seen]):
+            start = tf.timestamp()
+        with tf.control_dependencies([start]):
             xb, yb = tf.gather(x, indices), tf.gather(y, indices)
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(self.loss(yb, self.model(xb, training=True)))
         grads = tape.gradient(loss, self.model.trainable_variables)
-        return loss, seen, tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+        flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+        with tf.control_dependencies([flat]):
+            took = tf.timestamp() - start
+        return loss, seen, flat, took
 
     def _apply(self, flat, scale):
         """On the parameter server (the optimizer's update is placed with its variables), one push."""
@@ -192,7 +199,7 @@ class Chief:
                 began = time.perf_counter()
                 try:
                     with tf.device(worker_device(worker)):
-                        loss, seen, flat = self.gradient(x, y, tf.constant(indices, dtype=tf.int32))
+                        loss, seen, flat, compute_s = self.gradient(x, y, tf.constant(indices, dtype=tf.int32))
                     loss, seen, flat = float(loss), int(seen), flat.numpy()  # all of it here, or an error
                 except tf.errors.OpError as e:
                     if resends < MAX_RESENDS and context.context().check_alive(worker_device(worker)):
@@ -201,9 +208,8 @@ class Chief:
                         continue
                     self._drop(worker, epoch, indices, e)
                     return
-                took_s = time.perf_counter() - began
-                if self.slowdown[worker] > 1.0:  # an emulated slower worker: its gradient arrives later
-                    time.sleep((self.slowdown[worker] - 1.0) * took_s)
+                if self.slowdown[worker] > 1.0:  # an emulated slower worker: its gradient arrives later, by the
+                    time.sleep((self.slowdown[worker] - 1.0) * float(compute_s))  # extra time its compute takes
                 cycle_s = time.perf_counter() - began
                 if self._push(worker, epoch, indices, loss, seen, flat, scale, retried, cycle_s):
                     break
