@@ -14,8 +14,9 @@ stopped; a chief that fails is named in one line with its log's last line.
 
 Refused in one line (``TrainConfig``'s TensorFlow check): what the chief does not do yet (``--resume``,
 ``--max-restarts``, a speed schedule, ``--staleness-lr``, ``--lr-scaling none``, ``--max-time-s``), and
-``TF_CONFIG`` (several machines). It writes no checkpoints yet, whatever ``--checkpoint-every`` says: the start
-line says so.
+``TF_CONFIG`` (several machines). It writes no checkpoints and watches no heartbeat yet, whatever
+``--checkpoint-every``, ``--heartbeat-s`` and ``--timeout-s`` say (a hung worker stalls the run): the start line
+says so.
 
 Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
 """
