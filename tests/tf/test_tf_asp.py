@@ -105,7 +105,7 @@ def test_a_killed_worker_loses_no_sample_and_no_push_is_applied_twice(tmp_path):
     summary, _ = chief(tmp_path / "run", "2", "64", "1,3", "static", "2", "none", "1", "5")
     every_sample_once(summary)
     assert list(summary["dropped"]) == ["1"] and "Error" in summary["dropped"]["1"]
-    assert summary["pushes"][0] > summary["pushes"][1] >= 1  # worker 0 ended the run
+    assert summary["pushes"][1] <= 5  # killed once 5 pushes were applied; worker 0 ended the run
     assert summary["batches"] == [64, 0]  # its share went to worker 0
 
 

@@ -33,6 +33,7 @@ from omnilearn.experiments.cli import main
         (["--global-batch", "0"], "--global-batch 0 must be positive"),
         (["--max-steps", "0"], "--max-steps 0"),
         (["--deadband", "1.5"], "--deadband 1.5"),
+        (["--mode", "asp", "--min-window-s", "1"], "--min-window-s 1 is for --mode bsp"),
         (["--min-window-s", "-1"], "--min-window-s -1 must be in [0, 604800] seconds"),
         (["--speed-schedule", "/nonexistent/s.toml"], "cannot read speed schedule"),
         (["--workers", "2", "--speed-schedule", "paper"], "paper schedule is defined for 4 workers"),

@@ -126,6 +126,9 @@ class TrainConfig(BalanceConfig):
                 if getattr(self, name) != default:
                     raise ConfigError(f"--{name.replace('_', '-')} is only used with --mode asp")
             return
+        if self.min_window_s != BalanceConfig.min_window_s:
+            raise ConfigError(f"--min-window-s {self.min_window_s:g} is for --mode bsp (its window meetings); "
+                              "asp decides every --control-interval x workers pushes: drop it")
         if self.emulator not in ("delay", "none"):
             raise ConfigError(f"--mode asp emulates speeds with --emulator delay or none, not {self.emulator}")
         if self.loader_workers:

@@ -44,7 +44,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
