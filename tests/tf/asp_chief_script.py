@@ -5,7 +5,8 @@ KILL_AFTER]``: trains a small float64 MLP on a seeded synthetic set (256 samples
 plain SGD, writes ``OUT/summary.json`` (the chief's summary with the applied pushes in order) and
 ``OUT/weights.npz`` (the initial and final weights). ``MAX_STALENESS``: ``none`` or the bound. ``KILL_WORKER
 KILL_AFTER``: that worker's server gets SIGKILL once the chief has applied ``KILL_AFTER`` pushes.
-``ASP_MAX_BATCH`` (environment): ``max_batch``; ``ASP_INTERVAL``: ``control_interval`` (default 4).
+``ASP_MAX_BATCH`` (environment): ``max_batch``; ``ASP_INTERVAL``: ``control_interval`` (default 4);
+``ASP_LR_SCALING``: ``lr_scaling`` (default ``linear``).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def main() -> None:
                             control_interval=int(os.environ.get("ASP_INTERVAL", "4")),
                             max_batch=int(os.environ["ASP_MAX_BATCH"]) if "ASP_MAX_BATCH" in os.environ else None)
         killer = None if kill is None else (kill[1], lambda: servers[("worker", kill[0])].send_signal(signal.SIGKILL))
+        from omnilearn.asp.settings import ASPSettings
         chief = Chief(strategy, cfg, build, loss, lambda: keras.optimizers.SGD(LR), x, y, epochs,
-                      max_staleness=bound, keep_order=True, kill=killer)
+                      settings=ASPSettings(os.environ.get("ASP_LR_SCALING", "linear"), max_staleness=bound), keep_order=True, kill=killer)
         initial = [v.numpy() for v in chief.model.weights]
         devices = sorted({v.value.device for v in chief.model.weights + chief.optimizer.variables})
         summary = {**chief.run(), "variable_devices": devices}

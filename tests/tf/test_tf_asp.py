@@ -59,18 +59,20 @@ def every_sample_once(summary: dict, epochs: int = 2) -> None:
 
 
 def test_three_workers_apply_every_sample_once_within_the_bound(tmp_path):
-    summary, _ = chief(tmp_path / "run", "3", "96", "1,2,3", "static", "2", "0")
+    summary, _ = chief(tmp_path / "run", "3", "96", "1,2,3", "static", "2", "1")
     every_sample_once(summary)
     assert summary["variable_devices"] == ["/job:ps/replica:0/task:0/device:CPU:0"]
     assert not summary["dropped"]
     for worker, _, indices, _, stale, recomputed in summary["order"]:
         assert len(indices) <= (16, 32, 48)[worker]  # an epoch's last deal may be short
-        assert stale == 0 or recomputed  # above max_staleness 0 only after one refusal
+        assert stale <= 1 or recomputed  # above max_staleness 1 only after one refusal
     assert sum(summary["staleness"]["refused"]) == sum(r for *_, r in summary["order"])
 
 
-def test_one_worker_ends_with_the_weights_of_a_local_replay_of_its_scaled_gradients(tmp_path):
-    summary, weights = chief(tmp_path / "run", "1", "48", "1", "static", "2", "none")
+@pytest.mark.parametrize("scaling", ["linear", "none"])
+def test_one_worker_ends_with_the_weights_of_a_local_replay_of_its_scaled_gradients(tmp_path, scaling):
+    summary, weights = chief(tmp_path / "run", "1", "48", "1", "static", "2", "none",
+                             env={"ASP_LR_SCALING": scaling})
     every_sample_once(summary)
     sys.path.insert(0, str(SCRIPT.parent))
     import asp_chief_script as script
@@ -87,7 +89,8 @@ def test_one_worker_ends_with_the_weights_of_a_local_replay_of_its_scaled_gradie
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(script.loss(y[indices], model(x[indices], training=True)))
         for v, g in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
-            v.assign(v - lr * ((len(indices) / 48) * g))  # the chief scales the gradient, SGD applies its rate
+            scale = len(indices) / 48 if scaling == "linear" else 1.0  # the chief scales the gradient (b / b_ref)
+            v.assign(v - lr * (scale * g))  # and SGD applies its rate
     for i, v in enumerate(model.weights):
         final = weights[f"final{i}"]
         assert np.abs(v.numpy() - final).max() <= 1e-12 * max(1.0, np.abs(final).max()), v.path
@@ -117,10 +120,44 @@ def test_omnilearn_train_runs_tensorflow_asp_and_writes_the_staleness_per_worker
                  "--max-steps", "30", "--lr", "0.2", "--out", str(out), "--no-plots"])
     said = capfd.readouterr().out  # the chief's line comes from its own process
     assert code == 0, said
-    summary = json.loads((out / "summary.json").read_text())
-    assert (summary["mode"], summary["framework"], summary["workers"]) == ("asp", "tensorflow", 2)
-    assert sum(summary["pushes"]) == summary["applied"] == summary["version"] == 60
-    for key in ("p50", "p99", "max"):
-        assert len(summary["staleness"][key]) == 2
-    assert summary["coverage"]["repeated_samples"] == 0 and summary["test_accuracy"] > 0.2  # chance: 0.1
-    assert "staleness p50/p99/max per worker" in said and "writes no checkpoints yet" in said
+    summary = json.loads((out / "summary.json").read_text())  # the PyTorch server's fields (observe.asplog)
+    assert (summary["mode"], summary["framework"], len(summary["workers"])) == ("asp", "tensorflow", 2)
+    assert sum(summary["pushes"]) == summary["updates"] == 60
+    for w in summary["workers"]:
+        assert w["updates"] >= 1 and w["p50_staleness"] <= w["p99_staleness"] <= w["max_staleness"]
+    assert summary["repeated_samples"] == 0 and summary["test_accuracy"] > 0.2  # chance: 0.1
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    pushes = [r for r in records if r["event"] == "push"]
+    assert [p["version"] for p in pushes] == list(range(1, 61))  # one record per applied push, in order
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [e["epoch"] for e in evals][:1] == [0] and evals[-1]["version"] == 60  # after epoch 0, and at the end
+    assert (out / "model.weights.h5").exists()
+    assert "staleness mean" in said and "writes no checkpoints yet" in said
+
+
+def test_the_asp_bench_runs_its_two_arms_on_tensorflow_for_the_time_budget(tmp_path, capfd):
+    from omnilearn.experiments.cli import main
+
+    out = tmp_path / "bench"
+    code = main(["bench", "--mode", "asp", "--framework", "tensorflow", "--quick", "--model", "mlp",
+                 "--time-budget-s", "2", "--out", str(out), "--no-plots"])
+    said = capfd.readouterr().out
+    assert code == 0, said
+    bench = json.loads((out / "bench.json").read_text())
+    assert (bench["framework"], bench["arms"], bench["settings"]) == ("tensorflow", ["uniform", "omnilearn"], ["HL8"])
+    assert [r["arm"] for r in bench["results"]] == ["uniform", "omnilearn"]  # no bsp arm
+    for row, scaling in zip(bench["results"], ("none", "linear")):
+        summary = json.loads((Path(row["run_dirs"][0]) / "summary.json").read_text())
+        assert (summary["framework"], summary["lr_scaling"]) == ("tensorflow", scaling)
+        assert summary["train_s"] >= 2.0 and summary["updates"] >= 1  # stopped by the budget, not by the data
+        assert len(row["p99_staleness_per_worker"]) == 4 and row["accuracy_at_budget"]["mean"] is not None
+    assert "| HL8 | asp | uniform |" in said and "| HL8 | asp | omnilearn |" in said
+
+
+def test_the_tensorflow_asp_bench_refuses_a_bsp_arm_flag_in_one_line(tmp_path, capsys):
+    from omnilearn.experiments.cli import main
+
+    code = main(["bench", "--mode", "asp", "--framework", "tensorflow", "--steps", "5", "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--framework tensorflow runs no bsp arm" in err and err.count("\n") == 1
+    assert not (tmp_path / "b").exists()

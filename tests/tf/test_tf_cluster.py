@@ -106,7 +106,7 @@ def test_scripted_timings_are_parsed_and_checked(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--mode", "asp", "--staleness-lr"], "--framework tensorflow --mode asp has no --staleness-lr yet"),
+    (["--mode", "asp", "--max-restarts", "2"], "--framework tensorflow --mode asp has no --max-restarts yet"),
     (["--mode", "asp", "--speed-schedule", "paper", "--workers", "4"], "--mode asp has no --speed-schedule yet"),
     (["--model", "resnet18", "--dataset", "cifar10", "--data-dir", "/nowhere"], "trains --model cnn1d or mlp"),
     (["--accumulation-steps", "2"], "has no --accumulation-steps yet"),

@@ -282,7 +282,7 @@ def test_asp_summary_equals_brute_force_over_all_pushes(tmp_path):
                               compute_s=rng.uniform(0.005, 0.02), loss=rng.uniform(0.1, 3))
         log.push(version, worker, req, stale, 0.05, version * 0.01, version / 100)
         pushes.append((worker, req, stale))
-    summary = log.finish(20.0, 15.0, staleness, torch.nn.Linear(1, 1), samples_dealt=12345)
+    summary = log.finish(20.0, 15.0, staleness, saver(torch.nn.Linear(1, 1)), samples_dealt=12345)
     assert summary["samples_per_s"] == pytest.approx(sum(r.batch for _, r, _ in pushes) / 15.0)
     assert summary["final_train_loss"] == pytest.approx(fmean(r.loss for _, r, _ in pushes[-n:]))
     assert summary["max_staleness_last_half"] == max(s for _, _, s in pushes[len(pushes) // 2:])

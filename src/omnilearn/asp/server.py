@@ -68,6 +68,7 @@ from omnilearn.distributed.ps import GO, HELLO, HOLD, PUSH, STOP, Request
 from omnilearn.distributed.serverlink import ServerLink
 from omnilearn.emulation.speeds import slowdown
 from omnilearn.observe.asplog import ASPLog
+from omnilearn.observe.modelfile import saver
 from omnilearn.runplan import RunPlan
 from omnilearn.clocks.train import TrainClock
 
@@ -147,7 +148,7 @@ class ParameterServer:
         train_s = wall_s - self.clock.paused_s
         if self.evaluate is not None:
             self.log.evaluation(self.dealer.epoch, self.version, train_s, *self.evaluate(self.model))
-        return self.log.finish(wall_s, train_s, self.staleness, self.model, self.dealer.dealt, self.coverage.summary(),
+        return self.log.finish(wall_s, train_s, self.staleness, saver(self.model), self.dealer.dealt, self.coverage.summary(),
                                self.step)
 
     def answer(self, req: Request, payload: torch.Tensor | None) -> None:

@@ -131,7 +131,7 @@ def _train_parser(sub) -> None:
         "latest checkpoint up to this many times (default 0; under torchrun use torchrun --max-restarts)")
     add("--no-plots", dest="plots", action="store_false", help="do not render PNG plots at the end")
     add("--framework", choices=FRAMEWORKS, help="pytorch (default: DDP on torch.distributed) or tensorflow (Keras on "
-        "tf.distribute, BSP, the default workload; needs the [tensorflow] extra)")
+        "tf.distribute, the default workload, BSP or --mode asp on a parameter server; needs the [tensorflow] extra)")
 
 
 def _bench_parser(sub) -> None:
@@ -161,6 +161,8 @@ def _bench_parser(sub) -> None:
     add("--time-budget-s", type=float, help=f"--mode asp: seconds of training per arm (default "
         f"{aspbench.BUDGET_S['full']:g}, --quick {aspbench.BUDGET_S['quick']:g})")
     add("--target-accuracy", type=float, help="also report time to this test accuracy (0-1) per arm")
+    add("--framework", choices=FRAMEWORKS, help="pytorch (default) or tensorflow (--mode asp only: the asp arms on "
+        "TensorFlow's parameter-server runtime, no bsp arm)")
     add("--out", help="bench directory (default runs/bench-<timestamp>)")
     add("--no-plots", dest="plots", action="store_false", help="do not render PNG plots at the end")
 

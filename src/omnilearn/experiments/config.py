@@ -159,8 +159,7 @@ class TrainConfig(BalanceConfig):
                               "(docs/tensorflow.md)")
         if self.mode == "asp":
             asp_missing = {"--resume": self.resume, "--max-restarts": self.max_restarts,
-                           "--speed-schedule": self.speed_schedule, "--staleness-lr": self.staleness_lr,
-                           "--lr-scaling none": self.lr_scaling == "none", "--max-time-s": self.max_time_s}
+                           "--speed-schedule": self.speed_schedule}
             said = [flag for flag, asked in asp_missing.items() if asked]
             if said:
                 raise ConfigError(f"--framework tensorflow --mode asp has no {said[0]} yet (docs/tensorflow.md); "

@@ -31,14 +31,12 @@ import time
 from collections import deque
 from pathlib import Path
 from statistics import fmean
-
-import torch
+from typing import Callable
 
 from omnilearn.asp.rules import Staleness
 from omnilearn.asp.settings import ASPSettings
 from omnilearn.config import BalanceConfig
 from omnilearn.observe.events import EventRecorder
-from omnilearn.observe.modelfile import saver
 from omnilearn.observe.suffix import SuffixStats
 
 PER_WORKER = ("batch", "cycle_s", "compute_s", "staleness")  # summed, summed, summed, maximum
@@ -153,16 +151,19 @@ class ASPLog:
         self.events.evaluation(epoch=epoch, version=version, step=version // self.n, wall_s=wall_s, test_loss=loss,
                                test_accuracy=accuracy)
 
-    def finish(self, wall_s: float, train_s: float, staleness: Staleness, model: torch.nn.Module,
-               samples_dealt: int, coverage: dict | None = None, steps: int | None = None) -> dict:
-        """Write the summary. ``coverage``: the server's per-epoch sample counts
-        (:class:`~omnilearn.asp.rules.Coverage`); ``steps``: steps of ``B`` samples done (default: updates // n,
-        which is it while no worker was dropped)."""
+    def finish(self, wall_s: float, train_s: float, staleness: Staleness, save: Callable[[Path], None] | None,
+               samples_dealt: int, coverage: dict | None = None, steps: int | None = None,
+               extra: dict | None = None) -> dict:
+        """Write the summary, then the model by ``save(run_dir)`` (the runtime's own format). ``coverage``: the
+        server's per-epoch sample counts (:class:`~omnilearn.asp.rules.Coverage`); ``steps``: steps of ``B``
+        samples done (default: updates // n, which is it while no worker was dropped); ``extra``: the runtime's
+        own fields."""
         summary = {**self.summary(wall_s, train_s, staleness), "samples_dealt": samples_dealt, **(coverage or {}),
-                   "dropped": [dict(d) for d in self.dropped], "resumed_at_version": self.resumed_at}
+                   "dropped": [dict(d) for d in self.dropped], "resumed_at_version": self.resumed_at,
+                   **(extra or {})}
         if steps is not None:
             summary["steps"] = steps
-        self.events.finish(summary, saver(model))
+        self.events.finish(summary, save)
         for stats in (*self.per_worker, self.all_staleness):
             stats.close()
         self.console.push_table(summary["workers"])

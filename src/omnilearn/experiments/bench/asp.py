@@ -27,11 +27,16 @@ Repeat k runs every arm with seed ``--seed + k`` (default 3 repeats, ``--quick``
 is given all arms use a constant rate: a step-based schedule would anneal
 arms that progress at different speeds differently by the budget.
 
+``--framework tensorflow``: the two ASP arms on TensorFlow's parameter server
+(:mod:`omnilearn.experiments.train.tfasp`, one cluster per arm in turn), no
+``bsp`` arm; the same record is read, so its table reads beside PyTorch's.
+
 Writes ``OUT/<setting>-<arm>[-r<k>]/`` run directories, ``OUT/bench.json``,
 ``OUT/bench.md`` and the table on stdout.
 
     omnilearn bench --mode asp --quick --out runs/asp-quick   # HL8, 1 seed, 20 s per arm: ~2-3 minutes on 2 cores
     omnilearn bench --mode asp --out runs/asp                 # HL1..HL8, 3 seeds, 30 s per arm: ~20 minutes
+    omnilearn bench --mode asp --framework tensorflow --speeds HL8 --out runs/asp-tf   # HL8, 3 seeds: ~5 minutes
 """
 
 from __future__ import annotations
@@ -209,6 +214,13 @@ def merge(results: list[dict], settings: tuple[str, ...], budget_s: float) -> li
 def _launch(arms: list[Arm], out: Path) -> None:
     for a in arms:
         prepare(str(a.job.run_dir), True, dump_toml(a.job.cfg))
+    if arms and arms[0].job.cfg.framework == "tensorflow":  # one local TensorFlow cluster per arm, in turn
+        from omnilearn.experiments.train import tfasp
+
+        for a in arms:
+            print(f"omnilearn bench: {a.setting}-{a.arm} (seed {a.job.cfg.seed}) on TensorFlow", flush=True)
+            tfasp.run_local(a.job.cfg, a.job.run_dir)
+        return
     launch.run_local([a.job for a in arms], out)
 
 
@@ -221,20 +233,24 @@ def run(base: TrainConfig, settings: tuple[str, ...], budget_s: float, repeats: 
     for stale in out.glob("error-rank*.log"):
         stale.unlink()
     asp = plan_asp(base, settings, repeats, budget_s, out)
-    print(f"omnilearn bench --mode asp: {len(asp)} asp runs + {repeats * len(settings)} bsp runs ({length}) of "
-          f"{base.workers} workers, {budget_s:g} s of training each, settings {','.join(settings)}, into {out}",
-          flush=True)
+    with_bsp = base.framework == "pytorch"
+    print(f"omnilearn bench --mode asp: {len(asp)} asp runs"
+          + (f" + {repeats * len(settings)} bsp runs" if with_bsp else f" on {base.framework}")
+          + f" ({length}) of {base.workers} workers, {budget_s:g} s of training each, settings {','.join(settings)}, "
+          f"into {out}", flush=True)
     _launch(asp, out)
     measured = [measure(a, budget_s, target) for a in asp]
-    steps = ({s: bsp_steps_given for s in settings} if bsp_steps_given
-             else bsp_steps(measured, settings, budget_s, base.global_batch))
-    bsp = plan_bsp(base, settings, repeats, steps, out)
-    _launch(bsp, out)
-    measured += [measure(a, budget_s, target) for a in bsp]
+    steps = None
+    if with_bsp:
+        steps = ({s: bsp_steps_given for s in settings} if bsp_steps_given
+                 else bsp_steps(measured, settings, budget_s, base.global_batch))
+        bsp = plan_bsp(base, settings, repeats, steps, out)
+        _launch(bsp, out)
+        measured += [measure(a, budget_s, target) for a in bsp]
     add_equal_epochs(measured)
     rows = merge(measured, settings, budget_s)
-    bench = {"train_mode": "asp", "mode": length, "time_budget_s": budget_s, "settings": list(settings),
-             "arms": list(ARMS), "workers": base.workers, "global_batch": base.global_batch,
+    bench = {"train_mode": "asp", "framework": base.framework, "mode": length, "time_budget_s": budget_s,
+             "settings": list(settings), "arms": list(ARMS if with_bsp else ARMS[:2]), "workers": base.workers, "global_batch": base.global_batch,
              "control_interval": base.control_interval, "lr": base.lr, "bsp_lr": BSP_LR, "bsp_momentum": BSP_MOMENTUM,
              "lr_schedule": base.lr_schedule, "repeats": repeats, "seeds": [base.seed + k for k in range(repeats)],
              "bsp_steps": steps, "target_accuracy": target, "results": rows}
@@ -271,7 +287,10 @@ def command(args, make_config: Callable[..., TrainConfig], render: Callable[[Pat
     out = Path(getattr(args, "out", None) or Path("runs") / time.strftime("bench-asp-%Y%m%d-%H%M%S"))
     n_train = len(workload.check(base).train)
     bsp_probe = dict.fromkeys(settings, steps or 1)
-    for arm in plan_asp(base, settings, 1, budget_s, out) + plan_bsp(base, settings, 1, bsp_probe, out):
+    if base.framework == "tensorflow" and steps is not None:
+        raise ConfigError(f"--steps {steps} sets the bsp arm's steps; --framework tensorflow runs no bsp arm: drop it")
+    for arm in plan_asp(base, settings, 1, budget_s, out) + (
+            plan_bsp(base, settings, 1, bsp_probe, out) if base.framework == "pytorch" else []):
         resolve(arm.job.cfg, n_train)  # every arm valid before anything runs
     result = run(base, settings, budget_s, repeats, steps, target, out, getattr(args, "overwrite", False), length)
     for r in result["results"]:

@@ -40,8 +40,8 @@ def bench(args: argparse.Namespace) -> int:
     settings = bench_mod.parse_settings(getattr(args, "speeds", ",".join(bench_mod.SETTINGS)))
     base = config_from_args(args, speeds=None, out=None, quiet=True)
     if base.framework != "pytorch":
-        raise ConfigError(f"omnilearn bench compares PyTorch runs; framework {base.framework!r} trains with "
-                          "omnilearn train --framework tensorflow")
+        raise ConfigError(f"a BSP bench compares PyTorch runs (framework {base.framework!r}); benchmark TensorFlow "
+                          "with omnilearn bench --mode asp --framework tensorflow")
     arms = bench_mod.parse_arms(arms_text, base.controller)
     if "HL1" in settings and base.emulator not in ("delay", "none"):
         raise ConfigError(f"the plain-DDP arm at HL1 runs without OS throttles; use --emulator delay or drop HL1 "

@@ -7,16 +7,17 @@ INDEX``; its messages in ``RUN_DIR/tf-<job><index>.log``), then the chief (``...
 trains: :class:`omnilearn.tf.asp.Chief` over the default job's data and Keras model (MNIST-1D, ``cnn1d`` or
 ``mlp``, :mod:`omnilearn.experiments.train.tfjob`) with its optimizer and rate schedule (per push; the PyTorch
 ASP defaults: SGD, no momentum), for ``--epochs``, or ``--max-steps`` steps of ``--workers`` pushes each (the
-PyTorch ASP server's count) if fewer; then it evaluates the model on the test split and writes ``RUN_DIR/summary.json``
-(pushes per worker, staleness p50/p99/max per worker, refusals, every epoch's coverage, the batches and each
-change of them, test accuracy, training time) and prints one line. When the chief exits, the servers are
-stopped; a chief that fails is named in one line with its log's last line.
+PyTorch ASP server's count) if fewer, or ``--max-time-s`` of training; it evaluates the model on the test split
+after each epoch of data and at the end, and writes the PyTorch server's record (``metrics.jsonl``,
+``summary.json``: staleness p50/p99/max per worker among its fields, ``model.weights.h5``). When the chief
+exits, the servers are stopped; a chief that fails is named in one line with its log's last line.
+``--lr-scaling``, ``--staleness-lr`` and ``--max-staleness`` mean what they mean on PyTorch. ``omnilearn bench
+--mode asp --framework tensorflow`` runs its arms through :func:`run_local` too.
 
 Refused in one line (``TrainConfig``'s TensorFlow check): what the chief does not do yet (``--resume``,
-``--max-restarts``, a speed schedule, ``--staleness-lr``, ``--lr-scaling none``, ``--max-time-s``), and
-``TF_CONFIG`` (several machines). It writes no checkpoints and watches no heartbeat yet, whatever
-``--checkpoint-every``, ``--heartbeat-s`` and ``--timeout-s`` say (a hung worker stalls the run): the start line
-says so.
+``--max-restarts``, a speed schedule), and ``TF_CONFIG`` (several machines). It writes no checkpoints and
+watches no heartbeat yet, whatever ``--checkpoint-every``, ``--heartbeat-s`` and ``--timeout-s`` say (a hung
+worker stalls the run): the start line says so.
 
 Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
 """
@@ -78,34 +79,34 @@ def chief(run_dir: Path, spec: dict) -> dict:
     import numpy as np
     import tensorflow as tf
 
+    from omnilearn.asp.settings import ASPSettings
     from omnilearn.experiments.datasets.mnist1d import mnist1d_arrays
-    from omnilearn.experiments.train.tfjob import build_model, make_optimizer
+    from omnilearn.experiments.train.tfjob import build_model, learning_rate, make_optimizer
     from omnilearn.tf.asp import Chief
 
     cfg = build(load_toml(str(run_dir / "config.toml")), {})
     arrays, _ = mnist1d_arrays()
     x, y = arrays["x"], arrays["y"].astype("int32")
+    x_test, y_test = arrays["x_test"], arrays["y_test"].astype("int32")
     per_epoch = max(1, math.ceil(len(x) * cfg.workers / cfg.global_batch))  # pushes of B / n samples an epoch
+    rate = learning_rate(cfg, per_epoch * cfg.epochs, per_epoch)
     strategy = tf.distribute.ParameterServerStrategy(
         tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(spec), rpc_layer="grpc"))
     keras.utils.set_random_seed(cfg.seed)
+
+    def evaluate(model) -> tuple[float, float]:
+        logits = np.asarray(model(x_test, training=False))
+        loss = keras.losses.sparse_categorical_crossentropy(y_test, logits, from_logits=True)
+        return float(np.mean(np.asarray(loss))), float(np.mean(np.argmax(logits, axis=1) == y_test))
+
+    settings = ASPSettings(cfg.lr_scaling, cfg.staleness_lr, cfg.max_time_s, 0, cfg.max_staleness)
     run = Chief(strategy, cfg, lambda: build_model(cfg, x.shape[1], int(y.max()) + 1),
                 lambda t, p: keras.losses.sparse_categorical_crossentropy(t, p, from_logits=True),
                 lambda: make_optimizer(cfg, per_epoch * cfg.epochs, per_epoch), x, y, cfg.epochs,
-                max_pushes=cfg.max_steps * cfg.workers if cfg.max_steps else None, max_staleness=cfg.max_staleness)
-    summary = run.run()
-    logits = run.model(arrays["x_test"], training=False)
-    accuracy = float(np.mean(np.argmax(np.asarray(logits), axis=1) == arrays["y_test"]))
-    summary.pop("order")
-    summary = {"mode": "asp", "framework": "tensorflow", "workers": cfg.workers, "epochs": cfg.epochs,
-               "global_batch": cfg.global_batch, "test_accuracy": accuracy, **summary}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    s = summary["staleness"]
-    print(f"{sum(summary['pushes'])} pushes ({'/'.join(map(str, summary['pushes']))} per worker) in "
-          f"{summary['wall_s']:.1f} s | staleness p50/p99/max per worker "
-          f"{', '.join(f'{a}/{b}/{c}' for a, b, c in zip(s['p50'], s['p99'], s['max']))} | batches "
-          f"{'/'.join(map(str, summary['batches']))} | test accuracy {accuracy:.2%}", flush=True)
-    return summary
+                max_pushes=cfg.max_steps * cfg.workers if cfg.max_steps else None, settings=settings,
+                evaluate=evaluate, lr_at=lambda k: float(rate(k)) if callable(rate) else float(rate), run_dir=run_dir)
+    run.run()
+    return run.result
 
 
 def main(argv: list[str] | None = None) -> int:

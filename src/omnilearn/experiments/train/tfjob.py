@@ -65,17 +65,24 @@ def build_model(cfg: TrainConfig, length: int, classes: int):
     return keras.Sequential([keras.Input((length,)), *body, layers.Dense(classes)], name=cfg.model)
 
 
-def make_optimizer(cfg: TrainConfig, steps: int, steps_per_epoch: int):
-    """SGD with momentum or AdamW, its rate per step: cosine over the run, multistep in epochs, or constant."""
+def learning_rate(cfg: TrainConfig, steps: int, steps_per_epoch: int):
+    """The rate per step: a Keras schedule (cosine over the run, multistep in epochs) or the constant."""
     import keras
 
-    rate = cfg.lr
     if cfg.lr_schedule == "cosine":
-        rate = keras.optimizers.schedules.CosineDecay(cfg.lr, decay_steps=steps)
-    elif cfg.lr_schedule == "multistep":
+        return keras.optimizers.schedules.CosineDecay(cfg.lr, decay_steps=steps)
+    if cfg.lr_schedule == "multistep":
         bounds = [e * steps_per_epoch for e in cfg.milestone_epochs]
-        rate = keras.optimizers.schedules.PiecewiseConstantDecay(
+        return keras.optimizers.schedules.PiecewiseConstantDecay(
             bounds, [cfg.lr * cfg.gamma**k for k in range(len(bounds) + 1)])
+    return cfg.lr
+
+
+def make_optimizer(cfg: TrainConfig, steps: int, steps_per_epoch: int):
+    """SGD with momentum or AdamW at :func:`learning_rate`."""
+    import keras
+
+    rate = learning_rate(cfg, steps, steps_per_epoch)
     if cfg.optimizer == "adamw":
         return keras.optimizers.AdamW(rate, weight_decay=cfg.weight_decay)
     return keras.optimizers.SGD(rate, momentum=cfg.momentum)
