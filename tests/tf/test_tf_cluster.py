@@ -62,7 +62,7 @@ def test_workers_on_other_hosts_do_not_share_this_hosts_cores():
     ("{not json", "TF_CONFIG is not JSON"),
     ('{"cluster": {"worker": []}, "task": {"type": "worker", "index": 0}}', "needs a 'worker' list"),
     ('{"cluster": {"worker": ["nohostport"]}, "task": {"type": "worker", "index": 0}}', "'host:port' strings"),
-    ('{"cluster": {"worker": ["a:1"], "ps": ["b:1"]}, "task": {"type": "worker", "index": 0}}', "has ps besides"),
+    ('{"cluster": {"worker": ["a:1"], "ps": ["b:1"]}, "task": {"type": "worker", "index": 0}}', "omnilearn.tf.asp.Chief"),
     ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}', "must be {'type': 'worker'"),
     ('{"cluster": {"worker": ["a:1", "a:2"]}, "task": {"type": "worker", "index": 2}}', "index 2 must be"),
     ('{"cluster": {"worker": ["a:1", "a:1"]}, "task": {"type": "worker", "index": 0}}', "address twice"),
@@ -70,6 +70,17 @@ def test_workers_on_other_hosts_do_not_share_this_hosts_cores():
 def test_a_bad_tf_config_is_one_line_naming_what_is_wrong(text, said):
     with pytest.raises(ConfigError) as e:
         from_env({"TF_CONFIG": text})
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mode, said", [("asp", "train asynchronously with omnilearn.tf.asp.Chief"),
+                                         ("async", "mode is 'bsp' (the default)")])
+def test_setup_refuses_asynchronous_training_naming_the_route(monkeypatch, mode, said):
+    import omnilearn.tf
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ConfigError) as e:
+        omnilearn.tf.setup(global_batch=8, mode=mode)
     assert said in str(e.value) and "\n" not in str(e.value)
 
 

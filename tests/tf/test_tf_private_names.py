@@ -18,7 +18,9 @@ tested: tensorflow-cpu 2.21.0, keras 3.15.1). What the door uses, and where:
   halves its scale (``omnilearn.tf.steps.agree_finite`` makes every worker see the same finiteness); a Keras 3
   model's variables checkpointed by position (``omnilearn.tf.changed``);
 - ``tensorflow.python.eager.context.context().check_alive(device)`` (``omnilearn.tf.asp``: a failed call's
-  worker, gone or alive).
+  worker, gone or alive);
+- Keras 3's ``fit`` without parameter-server support (no ``ParameterServerStrategy`` or ``ClusterCoordinator``
+  in its trainers): why ``omnilearn.tf.setup(mode='asp')`` and ``ol.fit`` refuse asynchronous training.
 
 Run: ``python -m pytest -q tests/tf/test_tf_private_names.py``
 """
@@ -130,3 +132,20 @@ def test_the_eager_context_tells_whether_a_remote_task_is_alive(tf):
     check = getattr(context.context(), "check_alive", None)
     assert callable(check) and parameters(check) == ["worker_name"], \
         "TensorFlow moved context.context().check_alive(worker_name): omnilearn.tf.asp tells a dead worker by it"
+
+
+def test_keras_fit_still_has_no_parameter_server_support(keras):
+    """Why ``ol.fit`` (and ``omnilearn.tf.setup(mode='asp')``) is refused for asynchronous training: Keras 3's
+    trainer never mentions ``ParameterServerStrategy`` or a ``ClusterCoordinator`` (Keras 2's ``fit`` scheduled
+    its steps on one). When a release adds them, revisit the refusal (``omnilearn.tf.api.refuse_asp``)."""
+    from pathlib import Path
+
+    trainers = Path(keras.__file__).parent / "src" / "trainers"
+    backend = Path(keras.__file__).parent / "src" / "backend" / "tensorflow"
+    sources = sorted([*trainers.rglob("*.py"), *backend.rglob("*.py")])
+    assert sources, f"Keras moved its trainers out of {trainers} and {backend}: find fit's source again"
+    for path in sources:
+        text = path.read_text(errors="replace")
+        for name in ("ParameterServerStrategy", "ClusterCoordinator"):
+            assert name not in text, f"Keras {keras.__version__} mentions {name} in {path}: its fit may run under " \
+                                     "a parameter server now; revisit omnilearn.tf.api.refuse_asp"

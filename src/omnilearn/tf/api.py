@@ -38,6 +38,7 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     check_versions()
     try:
         settings = launched(settings)  # the flags of ``omnilearn launch`` (omnilearn.experiments.launch.script)
+        refuse_asp(settings.pop("mode", "bsp"))
         every, keep = settings.pop("checkpoint_every", 0), settings.pop("keep_checkpoints", 3)
         resume = settings.pop("resume", False)
         check_keywords("omnilearn.tf.setup()", settings, local_batch, handle_signals)
@@ -59,6 +60,19 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     if handle_signals:
         stopping.handle_for_run(cluster.world_size, cluster.is_main, "omnilearn.tf.setup()")
     return session
+
+
+def refuse_asp(mode: Any) -> None:
+    """``mode="asp"``: one line naming the asynchronous route (``setup`` is synchronous; Keras 3's ``fit`` has no
+    parameter-server support, so ``ol.fit`` cannot run asynchronously: docs/tensorflow.md)."""
+    if mode == "bsp":
+        return
+    if mode == "asp":
+        raise ConfigError("omnilearn.tf.setup(mode='asp'): setup() and ol.fit train synchronously (Keras 3's fit has "
+                          "no ParameterServerStrategy support); train asynchronously with omnilearn.tf.asp.Chief on a "
+                          "ParameterServerStrategy, or omnilearn train --framework tensorflow --mode asp")
+    raise ConfigError(f"omnilearn.tf.setup(mode={mode!r}): mode is 'bsp' (the default); asynchronous training is "
+                      "omnilearn.tf.asp.Chief")
 
 
 def check_versions() -> None:

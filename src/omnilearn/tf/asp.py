@@ -43,8 +43,9 @@ from omnilearn.asp.control import PushControl, push_loop
 from omnilearn.asp.rules import Coverage, IndexDealer, Staleness, over_bound, push_lr
 from omnilearn.asp.settings import ASPSettings
 from omnilearn.clocks.train import TrainClock
-from omnilearn.config import BalanceConfig
+from omnilearn.config import BalanceConfig, dump_toml
 from omnilearn.observe.asplog import ASPLog
+from omnilearn.observe.rundir import prepare
 from omnilearn.emulation.speeds import parse_speeds, slowdown
 from omnilearn.tf.aspgraph import Placed, worker_device
 from omnilearn.tf.batches import save_weights
@@ -81,8 +82,9 @@ class Chief:
     every worker. The run ends after ``epochs`` epochs, or ``max_pushes`` applied pushes if that comes first,
     or ``settings.max_time_s`` of training. ``evaluate(model) -> (loss, accuracy)``: after each epoch dealt and
     at the end (None: never). ``lr_at(version)``: the optimizer's base rate at that many pushes, for the record
-    (None: its rate read once at the start). ``run_dir``: where ``metrics.jsonl``, ``summary.json`` and
-    ``model.weights.h5`` go (None: nowhere). ``kill``: tests only, ``(after_pushes, fn)``: ``fn()`` is called (it
+    (None: its rate read once at the start). ``run_dir``: a prepared directory for ``metrics.jsonl``,
+    ``summary.json`` and ``model.weights.h5`` (None: ``cfg.out``, checked and prepared as ``omnilearn.setup`` does,
+    with ``config.toml``; neither: nowhere). ``kill``: tests only, ``(after_pushes, fn)``: ``fn()`` is called (it
     kills a worker's server) once the chief has applied that many pushes.
     """
 
@@ -105,6 +107,8 @@ class Chief:
                                    lambda live, batches=None: push_loop(cfg, self.declared, total_pushes, live,
                                                                         batches))
         self.max_pushes, self.keep_order, self.kill = max_pushes, keep_order, kill
+        if run_dir is None and cfg.out is not None:
+            run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
         self.evaluate, self.run_dir = evaluate, run_dir
         self.placed = Placed(strategy, build_model, make_optimizer, loss, x, y, workers)
         self.model, self.optimizer, self.version = self.placed.model, self.placed.optimizer, self.placed.version
@@ -144,7 +148,7 @@ class Chief:
         train_s = wall_s - self.clock.paused_s
         if self.evaluate is not None:
             self.record.evaluation(self.dealer.epoch, self.applied, train_s, *self.evaluate(self.model))
-        save = None if self.run_dir is None else (lambda run_dir: save_weights(self.model, run_dir / "model.weights.h5"))
+        save = None if self.run_dir is None else (lambda d: save_weights(self.model, d / "model.weights.h5"))
         self.result = self.record.finish(wall_s, train_s, self.staleness, save, self.dealer.dealt,
                                          self.coverage.summary(), extra={"framework": "tensorflow",
                                                                          "pushes": list(self.log.pushes),
@@ -214,8 +218,10 @@ class Chief:
                 began = time.perf_counter()
                 try:
                     with tf.device(worker_device(worker)):
-                        loss, seen, flat, compute_s = self.placed.gradient(x, y, tf.constant(indices, dtype=tf.int32))
+                        loss, seen, flat, compute_s, state = self.placed.gradient(x, y, tf.constant(indices,
+                                                                                                     dtype=tf.int32))
                     loss, seen, flat, compute_s = float(loss), int(seen), flat.numpy(), float(compute_s)
+                    state = [s.numpy() for s in state]  # here, all of it: nothing is read from a worker later
                 except tf.errors.OpError as e:
                     if resends < MAX_RESENDS and context.context().check_alive(worker_device(worker)):
                         resends += 1  # a peer's death failed this call too: send it again
@@ -229,14 +235,15 @@ class Chief:
                     raise RuntimeError(f"worker {worker} pushed non-finite gradients (loss {loss:g}); lower --lr")
                 push = SimpleNamespace(batch=len(indices), pulled_version=seen, cycle_s=time.perf_counter() - began,
                                        compute_s=compute_s, loss=loss)
-                if self._push(worker, epoch, indices, push, flat, retried):
+                if self._push(worker, epoch, indices, push, (flat, state), retried):
                     break
                 retried = True  # refused as too stale: the same samples on fresh weights
 
-    def _push(self, worker: int, epoch: int, indices: list[int], push: SimpleNamespace, flat: np.ndarray,
-              retried: bool) -> bool:
+    def _push(self, worker: int, epoch: int, indices: list[int], push: SimpleNamespace,
+              payload: tuple[np.ndarray, list[np.ndarray]], retried: bool) -> bool:
         """Apply one push, or refuse it as too stale (False: the worker recomputes it). ``push``: its batch,
-        pulled version, cycle and compute seconds and loss (what a PyTorch worker's request carries)."""
+        pulled version, cycle and compute seconds and loss (what a PyTorch worker's request carries);
+        ``payload``: its flat gradient and the model's non-trainable state after it."""
         kill = None
         with self.changed:
             if self._spent():  # the budget ran out while it was computed: not applied, nothing more dealt
@@ -250,7 +257,9 @@ class Chief:
                 self.record.refused(self.applied, worker, stale)
                 return False
             scale = push_lr(1.0, push.batch, self.b_ref, stale, self.settings.lr_scaling, self.settings.staleness_lr)
-            self.placed.apply(tf.constant(flat), tf.constant(scale, dtype=tf.float64))
+            flat, state = payload
+            self.placed.apply(tf.constant(flat), tf.constant(scale, dtype=tf.float64),
+                              [tf.constant(v) for v in state])
             base = self.lr0 if self.lr_at is None else self.lr_at(self.applied)
             self.applied += 1
             self.staleness.record(worker, self.applied - 1, push.pulled_version)

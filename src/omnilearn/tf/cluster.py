@@ -82,8 +82,9 @@ def _parse(config: Any) -> Cluster:
         raise ConfigError(f"TF_CONFIG cluster {cluster!r} needs a 'worker' list of 'host:port' strings")
     other = sorted(set(cluster) - {"worker"})
     if other:
-        raise ConfigError(f"TF_CONFIG cluster has {', '.join(other)} besides 'worker': OmniLearn's TensorFlow "
-                          "runtime is synchronous (MultiWorkerMirroredStrategy): list every process as a worker")
+        raise ConfigError(f"TF_CONFIG cluster has {', '.join(other)} besides 'worker': omnilearn.tf.setup() is "
+                          "synchronous (MultiWorkerMirroredStrategy): list every process as a worker (asynchronous "
+                          "training on a parameter server: omnilearn.tf.asp.Chief, docs/tensorflow.md)")
     if not isinstance(task, dict) or task.get("type") != "worker":
         raise ConfigError(f"TF_CONFIG task {task!r} must be {{'type': 'worker', 'index': i}}")
     index = task.get("index")

@@ -27,9 +27,8 @@ Repeat k runs every arm with seed ``--seed + k`` (default 3 repeats, ``--quick``
 is given all arms use a constant rate: a step-based schedule would anneal
 arms that progress at different speeds differently by the budget.
 
-``--framework tensorflow``: the two ASP arms on TensorFlow's parameter server
-(:mod:`omnilearn.experiments.train.tfasp`, one cluster per arm in turn), no
-``bsp`` arm; the same record is read, so its table reads beside PyTorch's.
+``--framework tensorflow``: the two ASP arms on TensorFlow's parameter server (:mod:`omnilearn.experiments.train.
+tfasp`, one cluster per arm in turn), no ``bsp`` arm; the same record is read: its table reads beside PyTorch's.
 
 Writes ``OUT/<setting>-<arm>[-r<k>]/`` run directories, ``OUT/bench.json``,
 ``OUT/bench.md`` and the table on stdout.
@@ -250,10 +249,11 @@ def run(base: TrainConfig, settings: tuple[str, ...], budget_s: float, repeats: 
     add_equal_epochs(measured)
     rows = merge(measured, settings, budget_s)
     bench = {"train_mode": "asp", "framework": base.framework, "mode": length, "time_budget_s": budget_s,
-             "settings": list(settings), "arms": list(ARMS if with_bsp else ARMS[:2]), "workers": base.workers, "global_batch": base.global_batch,
-             "control_interval": base.control_interval, "lr": base.lr, "bsp_lr": BSP_LR, "bsp_momentum": BSP_MOMENTUM,
-             "lr_schedule": base.lr_schedule, "repeats": repeats, "seeds": [base.seed + k for k in range(repeats)],
-             "bsp_steps": steps, "target_accuracy": target, "results": rows}
+             "settings": list(settings), "arms": list(ARMS if with_bsp else ARMS[:2]), "workers": base.workers,
+             "global_batch": base.global_batch, "control_interval": base.control_interval, "lr": base.lr,
+             "bsp_lr": BSP_LR, "bsp_momentum": BSP_MOMENTUM, "lr_schedule": base.lr_schedule, "repeats": repeats,
+             "seeds": [base.seed + k for k in range(repeats)], "bsp_steps": steps, "target_accuracy": target,
+             "results": rows}
     write_json(out / "bench.json", bench)
     (out / "bench.md").write_text(asp_markdown_table(rows, budget_s, target) + "\n")
     return bench

@@ -1,9 +1,9 @@
 """``omnilearn train --framework tensorflow --mode asp``: a local ``ParameterServerStrategy`` cluster and its chief.
 
-Who does what. The launcher (:func:`run_local`, in the command's own process: it imports no TensorFlow) picks
-``--workers + 1`` free localhost ports and starts one parameter server and ``--workers`` workers, each a process
-that only hosts a ``tf.distribute.Server`` (``python -m omnilearn.experiments.train.tfasp server SPEC JOB
-INDEX``; its messages in ``RUN_DIR/tf-<job><index>.log``), then the chief (``... chief RUN_DIR SPEC``), which
+Who does what. The launcher (:func:`run_local`, in the command's own process: it imports no TensorFlow) starts
+one parameter server and ``--workers`` workers on localhost, each a process that only hosts a
+``tf.distribute.Server`` (:func:`omnilearn.tf.servers.local_cluster`; its messages in
+``RUN_DIR/tf-<job><index>.log``), then the chief (``... chief RUN_DIR SPEC``), which
 trains: :class:`omnilearn.tf.asp.Chief` over the default job's data and Keras model (MNIST-1D, ``cnn1d`` or
 ``mlp``, :mod:`omnilearn.experiments.train.tfjob`) with its optimizer and rate schedule (per push; the PyTorch
 ASP defaults: SGD, no momentum), for ``--epochs``, or ``--max-steps`` steps of ``--workers`` pushes each (the
@@ -28,50 +28,25 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from omnilearn.experiments.config import TrainConfig, build, load_toml
 from omnilearn.experiments.launch.supervise import WorkerFailed
 
-SERVER_START_S = 1.0  # the servers bind their ports before the chief connects (it retries meanwhile too)
-
-
 def run_local(cfg: TrainConfig, run_dir: Path) -> None:
-    from omnilearn.tf.cluster import free_ports
+    from omnilearn.tf.servers import local_cluster
 
-    ports = free_ports(cfg.workers + 1)
-    spec = {"worker": [f"localhost:{p}" for p in ports[:-1]], "ps": [f"localhost:{ports[-1]}"]}
-    servers = []
-    try:
-        for job in ("ps", "worker"):
-            for index in range(len(spec[job])):
-                with open(run_dir / f"tf-{job}{index}.log", "w") as log:
-                    servers.append(subprocess.Popen([sys.executable, "-m", __name__, "server", json.dumps(spec), job,
-                                                     str(index)], stdout=subprocess.DEVNULL, stderr=log))
-        time.sleep(SERVER_START_S)
-        with open(run_dir / "tf-chief.log", "w") as log:
-            code = subprocess.run([sys.executable, "-m", __name__, "chief", str(run_dir), json.dumps(spec)],
-                                  stderr=log).returncode
-        if code:
-            raise WorkerFailed(f"the TensorFlow ASP chief failed (exit {code}): {last_line(run_dir / 'tf-chief.log')} "
-                               f"(log: {run_dir / 'tf-chief.log'})")
-    finally:
-        for server in servers:
-            server.kill()
-            server.wait()
+    with local_cluster(cfg.workers, logs=run_dir) as spec, open(run_dir / "tf-chief.log", "w") as log:
+        code = subprocess.run([sys.executable, "-m", __name__, "chief", str(run_dir), json.dumps(spec)],
+                              stderr=log).returncode
+    if code:
+        raise WorkerFailed(f"the TensorFlow ASP chief failed (exit {code}): {last_line(run_dir / 'tf-chief.log')} "
+                           f"(log: {run_dir / 'tf-chief.log'})")
 
 
 def last_line(path: Path) -> str:
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1].strip()[:300] if lines else "no output"
-
-
-def serve(spec: dict, job: str, index: int) -> None:
-    import tensorflow as tf
-
-    tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job, task_index=index, protocol="grpc",
-                         start=True).join()
 
 
 def chief(run_dir: Path, spec: dict) -> dict:
@@ -111,14 +86,10 @@ def chief(run_dir: Path, spec: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) == 4 and args[0] == "server":
-        serve(json.loads(args[1]), args[2], int(args[3]))
-        return 0
     if len(args) == 3 and args[0] == "chief":
         chief(Path(args[1]), json.loads(args[2]))
         return 0
-    print("usage: python -m omnilearn.experiments.train.tfasp server SPEC JOB INDEX | chief RUN_DIR SPEC",
-          file=sys.stderr)
+    print("usage: python -m omnilearn.experiments.train.tfasp chief RUN_DIR SPEC", file=sys.stderr)
     return 2
 
 
