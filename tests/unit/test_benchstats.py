@@ -597,7 +597,7 @@ def test_asp_bench_measure_gives_a_bsp_arm_evaluated_only_after_the_budget_a_lat
     # A slow host: the bsp arm's first epoch and its end both came after the 2 s budget (issue 32: it was None).
     import json
 
-    from omnilearn.experiments.bench import asp
+    from omnilearn.experiments.bench import aspresults
     from omnilearn.experiments.bench.bsp import Arm
     from omnilearn.experiments.config import TrainConfig
     from omnilearn.experiments.launch.local import Job
@@ -607,7 +607,7 @@ def test_asp_bench_measure_gives_a_bsp_arm_evaluated_only_after_the_budget_a_lat
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
         {"event": "eval", "epoch": 0, "step": 12, "wall_s": 3.1, "test_accuracy": 0.42}]) + "\n")
     cfg = TrainConfig(mode="bsp", workers=4, speeds="HL8", max_steps=12, epochs=12, quiet=True)
-    got = asp.measure(Arm("HL8", "bsp", 0, Job(cfg, tmp_path)), 2.0, None)
+    got = aspresults.measure(Arm("HL8", "bsp", 0, Job(cfg, tmp_path)), 2.0, None)
     assert (got["accuracy_at_budget"], got["accuracy_at_budget_s"]) == (0.42, 3.1)
     row = {**got, "train_s": spread([3.1]), "test_accuracy": spread([0.42]),
            "accuracy_at_budget": spread([0.42]), "accuracy_at_budget_s": spread([3.1]),
@@ -712,3 +712,29 @@ def test_equal_epochs_is_the_largest_every_arm_reached():
     assert equal_epochs([{1: 0.3, 2: 0.5, 3: 0.6}, {1: 0.4, 2: 0.45}, {1: 0.2, 2: 0.3, 3: 0.4, 4: 0.5}]) == 2
     assert equal_epochs([{1: 0.3}, {}]) is None
     assert equal_epochs([]) is None
+
+
+def test_a_failed_tensorflow_asp_arm_is_named_and_left_out_the_others_run(tmp_path, monkeypatch, capsys):
+    """``bench --mode asp --framework tensorflow`` runs one cluster per arm: an arm that fails (a diverged run's
+    non-finite gradients) is named in a warning and returned, and the arms after it still run."""
+    from omnilearn.experiments.bench import asp as aspbench
+    from omnilearn.experiments.config import TrainConfig
+    from omnilearn.experiments.launch.supervise import WorkerFailed
+    from omnilearn.experiments.train import tfasp
+
+    ran = []
+
+    def run_local(cfg, run_dir):
+        ran.append(run_dir.name)
+        if run_dir.name == "HL8-omnilearn-r0":
+            raise WorkerFailed("the TensorFlow ASP chief failed (exit 1): RuntimeError: worker 3 pushed non-finite "
+                               "gradients (loss nan); lower --lr")
+
+    monkeypatch.setattr(tfasp, "run_local", run_local)
+    base = TrainConfig(framework="tensorflow", workers=4, quiet=True)
+    arms = aspbench.plan_asp(base, ("HL8",), 2, 5.0, tmp_path)
+    failed = aspbench._launch(arms, tmp_path)
+    assert ran == ["HL8-uniform-r0", "HL8-omnilearn-r0", "HL8-omnilearn-r1", "HL8-uniform-r1"]
+    assert [(a.arm, a.repeat) for a, _ in failed] == [("omnilearn", 0)] and "non-finite" in failed[0][1]
+    err = capsys.readouterr().err
+    assert "HL8-omnilearn (seed 0) failed, left out of its row" in err and err.count("\n") == 1

@@ -218,10 +218,9 @@ class Chief:
                 began = time.perf_counter()
                 try:
                     with tf.device(worker_device(worker)):
-                        loss, seen, flat, compute_s, state = self.placed.gradient(x, y, tf.constant(indices,
-                                                                                                     dtype=tf.int32))
+                        loss, seen, flat, compute_s = self.placed.gradient(x, y, tf.constant(indices,
+                                                                                              dtype=tf.int32))
                     loss, seen, flat, compute_s = float(loss), int(seen), flat.numpy(), float(compute_s)
-                    state = [s.numpy() for s in state]  # here, all of it: nothing is read from a worker later
                 except tf.errors.OpError as e:
                     if resends < MAX_RESENDS and context.context().check_alive(worker_device(worker)):
                         resends += 1  # a peer's death failed this call too: send it again
@@ -235,15 +234,14 @@ class Chief:
                     raise RuntimeError(f"worker {worker} pushed non-finite gradients (loss {loss:g}); lower --lr")
                 push = SimpleNamespace(batch=len(indices), pulled_version=seen, cycle_s=time.perf_counter() - began,
                                        compute_s=compute_s, loss=loss)
-                if self._push(worker, epoch, indices, push, (flat, state), retried):
+                if self._push(worker, epoch, indices, push, flat, retried):
                     break
                 retried = True  # refused as too stale: the same samples on fresh weights
 
-    def _push(self, worker: int, epoch: int, indices: list[int], push: SimpleNamespace,
-              payload: tuple[np.ndarray, list[np.ndarray]], retried: bool) -> bool:
+    def _push(self, worker: int, epoch: int, indices: list[int], push: SimpleNamespace, flat: np.ndarray,
+              retried: bool) -> bool:
         """Apply one push, or refuse it as too stale (False: the worker recomputes it). ``push``: its batch,
-        pulled version, cycle and compute seconds and loss (what a PyTorch worker's request carries);
-        ``payload``: its flat gradient and the model's non-trainable state after it."""
+        pulled version, cycle and compute seconds and loss (what a PyTorch worker's request carries)."""
         kill = None
         with self.changed:
             if self._spent():  # the budget ran out while it was computed: not applied, nothing more dealt
@@ -257,9 +255,7 @@ class Chief:
                 self.record.refused(self.applied, worker, stale)
                 return False
             scale = push_lr(1.0, push.batch, self.b_ref, stale, self.settings.lr_scaling, self.settings.staleness_lr)
-            flat, state = payload
-            self.placed.apply(tf.constant(flat), tf.constant(scale, dtype=tf.float64),
-                              [tf.constant(v) for v in state])
+            self.placed.apply(tf.constant(flat), tf.constant(scale, dtype=tf.float64))
             base = self.lr0 if self.lr_at is None else self.lr_at(self.applied)
             self.applied += 1
             self.staleness.record(worker, self.applied - 1, push.pulled_version)

@@ -5,13 +5,10 @@ and ``version``, the pushes applied, on the parameter servers), copies the train
 worker's memory, and compiles:
 
 - :meth:`Placed.gradient`, called pinned to a worker (``tf.device(worker_device(i))``): it reads ``version``,
-  then every weight, and only then starts its clock (``tf.timestamp`` on the worker) and computes on those
-  values (Keras 3's ``model.stateless_call``): it returns the loss, that version, the gradient as one flat
-  tensor, the seconds of forward and backward (what the delay emulator multiplies: the reads are transport,
-  as a PyTorch worker's pull is) and the model's new non-trainable state;
+  then the weights, and returns the loss, that version, the gradient as one flat tensor and the seconds the
+  worker spent (``tf.timestamp`` on the worker: forward with its reads of the weights, and backward);
 - :meth:`Placed.apply`: one push, ``flat x scale``, applied by the Keras optimizer under ``strategy.run`` (the
-  update runs on the parameter server, where its variables are), the push's non-trainable state assigned
-  (the latest push's BatchNorm statistics, as on the PyTorch server), then ``version + 1``.
+  update runs on the parameter server, where its variables are), then ``version + 1``.
 
 Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
 """
@@ -50,36 +47,27 @@ class Placed:
         self.apply = tf.function(self._apply)
 
     def _gradient(self, x, y, indices):
-        """On the worker: the loss, the version read before the weights, the gradient as one flat tensor, the
-        seconds the worker computed (after every weight was read: the reads are transport, as a PyTorch worker's
-        pull is) and the model's new non-trainable state (BatchNorm statistics, seeds: the chief keeps the latest
-        push's, as the PyTorch server keeps the latest push's buffers)."""
+        """On the worker: the loss, the version read before the weights, the gradient as one flat tensor, and the
+        seconds the worker spent on it (the forward, with its reads of the weights, and the backward)."""
         seen = self.version.read_value()
         with tf.control_dependencies([seen]):
-            weights = [tf.identity(v) for v in self.model.trainable_variables]
-            state = [tf.identity(v) for v in self.model.non_trainable_variables]
-        with tf.control_dependencies(weights + state):
             start = tf.timestamp()
         with tf.control_dependencies([start]):
             xb, yb = tf.gather(x, indices), tf.gather(y, indices)
-        with tf.GradientTape() as tape:
-            tape.watch(weights)
-            logits, new_state = self.model.stateless_call(weights, state, xb, training=True)
-            loss = tf.reduce_mean(self.loss(yb, logits))
-        grads = tape.gradient(loss, weights)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(self.loss(yb, self.model(xb, training=True)))
+        grads = tape.gradient(loss, self.model.trainable_variables)
         flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
         with tf.control_dependencies([flat]):
             took = tf.timestamp() - start
-        return loss, seen, flat, took, list(new_state)
+        return loss, seen, flat, took
 
-    def _apply(self, flat, scale, state):
+    def _apply(self, flat, scale):
         """On the parameter server (the optimizer's update is placed with its variables), one push."""
-        def update(flat, scale, state):
+        def update(flat, scale):
             parts = tf.split(flat * tf.cast(scale, flat.dtype), self.sizes)
             self.optimizer.apply([tf.reshape(p, s) for p, s in zip(parts, self.shapes)],
                                  self.model.trainable_variables)
-            for variable, value in zip(self.model.non_trainable_variables, state):
-                variable.assign(value)
             with tf.control_dependencies([tf.identity(self.optimizer.iterations.value)]):
                 self.version.assign_add(1)
-        self.strategy.run(update, args=(flat, scale, state))
+        self.strategy.run(update, args=(flat, scale))

@@ -41,7 +41,6 @@ Writes ``OUT/<setting>-<arm>[-r<k>]/`` run directories, ``OUT/bench.json``,
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -52,28 +51,18 @@ from typing import Callable
 from omnilearn.experiments.launch import local as launch
 from omnilearn.experiments.bench.bsp import Arm
 from omnilearn.experiments.bench.bsp import parse_settings as parse_any_setting
+from omnilearn.experiments.bench.aspresults import ARMS, add_equal_epochs, measure, merge
 from omnilearn.experiments.bench.asptable import asp_markdown_table
-from omnilearn.experiments.bench.stats import (SMOOTH_EVALS, accuracy_at_epochs, accuracy_by_budget, add_histograms,
-                                              epoch_accuracies, equal_epochs, eval_points, spread, staleness_histogram,
-                                              time_to_accuracy)
 from omnilearn.experiments.config import ConfigError, TrainConfig, dump_toml
-from omnilearn.observe.metrics import read_metrics
 from omnilearn.observe.rundir import RunDirError, prepare, write_json
 
 SETTINGS = ("HL1", "HL2", "HL4", "HL8")
 QUICK_SETTINGS = ("HL8",)
-ARMS = ("uniform", "omnilearn", "bsp")
 BSP_LR, BSP_MOMENTUM = TrainConfig.lr, TrainConfig.momentum  # the bsp arm's optimizer: the BSP defaults
 BUDGET_S = {"full": 30.0, "quick": 20.0}  # training seconds per arm
 REPEATS = {"full": 3, "quick": 1}  # seeds --seed, --seed + 1, ...
 ASP_MAX_STEPS = 10**6  # ASP arms stop on time, long before this (and --epochs is lifted to match)
 BSP_MARGIN = 1.3  # bsp steps: this many times what the ASP throughput would do in the budget
-REPEATED = ("test_accuracy", "accuracy_at_budget", "accuracy_at_budget_s", "accuracy_at_equal_epochs",
-            "time_to_accuracy_s", "train_s")
-PER_WORKER_MEANS = ("mean_staleness_per_worker", "updates_per_s_per_worker", "mean_batch_per_worker",
-                    "mean_cycle_s_per_worker", "mean_compute_s_per_worker")
-
-
 def parse_settings(text: str) -> tuple[str, ...]:
     settings = parse_any_setting(text)
     if "paper" in settings:
@@ -124,103 +113,27 @@ def bsp_steps(asp_results: list[dict], settings: tuple[str, ...], budget_s: floa
     return out
 
 
-def measure(arm: Arm, budget_s: float, target: float | None) -> dict:
-    """The figures of one finished arm, read back from its run directory."""
-    cfg, run_dir = arm.job.cfg, arm.job.run_dir
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = read_metrics(run_dir)
-    points = eval_points(records)
-    at_budget, at_budget_s = accuracy_by_budget(points, budget_s, SMOOTH_EVALS)
-    out = {"setting": arm.setting, "arm": arm.arm, "repeat": arm.repeat, "seed": cfg.seed, "run_dir": str(run_dir),
-           "levels": cfg.mode, "train_s": summary["train_s"], "test_accuracy": summary.get("test_accuracy"),
-           "accuracy_at_budget": at_budget, "accuracy_at_budget_s": at_budget_s,
-           "samples_per_s": summary["samples_per_s"],
-           "time_to_accuracy_s": time_to_accuracy([{"wall_s": t, "test_accuracy": a} for t, a in points], target),
-           "accuracy_curve": [list(p) for p in points],
-           "epoch_accuracy": epoch_accuracies(records)}
-    if cfg.mode == "bsp":  # synchronous: every gradient is computed on the current weights
-        rate = summary["steps"] / summary["train_s"]
-        workers = summary.get("workers") or []
-        return {**out, "updates": summary["steps"], "mean_staleness": 0.0, "max_staleness": 0, "p99_staleness": 0,
-                "mean_staleness_per_worker": [0.0] * cfg.workers, "max_staleness_per_worker": [0] * cfg.workers,
-                "p99_staleness_per_worker": [0] * cfg.workers,
-                "updates_per_s_per_worker": [rate] * cfg.workers,
-                "mean_batch_per_worker": [w["mean_batch"] for w in workers] or None,
-                "mean_cycle_s_per_worker": None,
-                "mean_compute_s_per_worker": [w["mean_compute_s"] for w in workers] or None,
-                "staleness_histogram": None}
-    ws = summary["workers"]
-    pushes = [r for r in records if r.get("event") == "push"]
-    return {**out, "updates": summary["updates"], "mean_staleness": summary["mean_staleness"],
-            "max_staleness": summary["max_staleness"], "p99_staleness": summary["p99_staleness"],
-            "mean_staleness_per_worker": [w["mean_staleness"] for w in ws],
-            "max_staleness_per_worker": [w["max_staleness"] for w in ws],
-            "p99_staleness_per_worker": [w["p99_staleness"] for w in ws],
-            "updates_per_s_per_worker": [w["updates_per_s"] for w in ws],
-            "mean_batch_per_worker": [w["mean_batch"] for w in ws],
-            "mean_cycle_s_per_worker": [w["mean_cycle_s"] for w in ws],
-            "mean_compute_s_per_worker": [w["mean_compute_s"] for w in ws],
-            "staleness_histogram": staleness_histogram(pushes, cfg.workers)}
-
-
-def _columns(lists: list, combine: Callable) -> list | None:
-    if any(v is None for v in lists):
-        return None
-    return [combine(col) for col in zip(*lists)]
-
-
-def add_equal_epochs(results: list[dict]) -> None:
-    """Per setting and repeat: ``equal_epochs`` (whole epochs every arm reached) and each arm's accuracy there."""
-    groups: dict[tuple[str, int], list[dict]] = {}
-    for r in results:
-        groups.setdefault((r["setting"], r["repeat"]), []).append(r)
-    for rs in groups.values():
-        epochs = equal_epochs([r["epoch_accuracy"] for r in rs])
-        for r in rs:
-            r["equal_epochs"] = epochs
-            r["accuracy_at_equal_epochs"] = accuracy_at_epochs(r["epoch_accuracy"], epochs, SMOOTH_EVALS)
-
-
-def merge(results: list[dict], settings: tuple[str, ...], budget_s: float) -> list[dict]:
-    """One row per setting x arm: repeats kept per figure (``per_repeat``) with mean, min and max."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in results:
-        groups.setdefault((r["setting"], r["arm"]), []).append(r)
-    rows = []
-    for (setting, arm), rs in sorted(groups.items(), key=lambda kv: (settings.index(kv[0][0]), ARMS.index(kv[0][1]))):
-        rs = sorted(rs, key=lambda r: r["repeat"])
-        row = {"setting": setting, "arm": arm, "levels": rs[0]["levels"], "repeats": len(rs),
-               "seeds": [r["seed"] for r in rs], "run_dirs": [r["run_dir"] for r in rs],
-               "equal_epochs": [r.get("equal_epochs") for r in rs]}
-        for key in REPEATED:
-            row[key] = {**spread([r.get(key) for r in rs]), "per_repeat": [r.get(key) for r in rs]}
-        row.update(updates=fmean(r["updates"] for r in rs), samples_per_s=fmean(r["samples_per_s"] for r in rs),
-                   mean_staleness=fmean(r["mean_staleness"] for r in rs),
-                   max_staleness=max(r["max_staleness"] for r in rs),
-                   max_staleness_per_worker=_columns([r["max_staleness_per_worker"] for r in rs], max),
-                   p99_staleness=max(r["p99_staleness"] for r in rs),  # the worst repeat's
-                   p99_staleness_per_worker=_columns([r["p99_staleness_per_worker"] for r in rs], max),
-                   covers_budget=all(r["train_s"] >= 0.98 * budget_s for r in rs))
-        for key in PER_WORKER_MEANS:
-            row[key] = _columns([r[key] for r in rs], fmean)
-        hists = [r["staleness_histogram"] for r in rs]
-        row["staleness_histogram"] = None if None in hists else add_histograms(hists)
-        row["accuracy_curves"] = [r["accuracy_curve"] for r in rs]
-        rows.append(row)
-    return rows
-
-
-def _launch(arms: list[Arm], out: Path) -> None:
+def _launch(arms: list[Arm], out: Path) -> list[tuple[Arm, str]]:
+    """Run the arms; the TensorFlow arms one cluster each, an arm that fails (a diverged run's non-finite
+    gradients) named and left out, the others measured: ``(arm, why)`` per failed one."""
     for a in arms:
         prepare(str(a.job.run_dir), True, dump_toml(a.job.cfg))
-    if arms and arms[0].job.cfg.framework == "tensorflow":  # one local TensorFlow cluster per arm, in turn
-        from omnilearn.experiments.train import tfasp
+    if not arms or arms[0].job.cfg.framework != "tensorflow":
+        launch.run_local([a.job for a in arms], out)
+        return []
+    from omnilearn.experiments.launch.supervise import WorkerFailed
+    from omnilearn.experiments.train import tfasp
 
-        for a in arms:
-            print(f"omnilearn bench: {a.setting}-{a.arm} (seed {a.job.cfg.seed}) on TensorFlow", flush=True)
+    failed = []
+    for a in arms:
+        print(f"omnilearn bench: {a.setting}-{a.arm} (seed {a.job.cfg.seed}) on TensorFlow", flush=True)
+        try:
             tfasp.run_local(a.job.cfg, a.job.run_dir)
-        return
-    launch.run_local([a.job for a in arms], out)
+        except WorkerFailed as e:
+            print(f"omnilearn bench: warning: {a.setting}-{a.arm} (seed {a.job.cfg.seed}) failed, left out of its "
+                  f"row: {e}", file=sys.stderr, flush=True)
+            failed.append((a, str(e)))
+    return failed
 
 
 def run(base: TrainConfig, settings: tuple[str, ...], budget_s: float, repeats: int, bsp_steps_given: int | None,
@@ -237,8 +150,8 @@ def run(base: TrainConfig, settings: tuple[str, ...], budget_s: float, repeats: 
           + (f" + {repeats * len(settings)} bsp runs" if with_bsp else f" on {base.framework}")
           + f" ({length}) of {base.workers} workers, {budget_s:g} s of training each, settings {','.join(settings)}, "
           f"into {out}", flush=True)
-    _launch(asp, out)
-    measured = [measure(a, budget_s, target) for a in asp]
+    failed = _launch(asp, out)
+    measured = [measure(a, budget_s, target) for a in asp if a not in [f for f, _ in failed]]
     steps = None
     if with_bsp:
         steps = ({s: bsp_steps_given for s in settings} if bsp_steps_given
@@ -253,6 +166,7 @@ def run(base: TrainConfig, settings: tuple[str, ...], budget_s: float, repeats: 
              "global_batch": base.global_batch, "control_interval": base.control_interval, "lr": base.lr,
              "bsp_lr": BSP_LR, "bsp_momentum": BSP_MOMENTUM, "lr_schedule": base.lr_schedule, "repeats": repeats,
              "seeds": [base.seed + k for k in range(repeats)], "bsp_steps": steps, "target_accuracy": target,
+             "failed": [{"setting": a.setting, "arm": a.arm, "seed": a.job.cfg.seed, "error": why} for a, why in failed],
              "results": rows}
     write_json(out / "bench.json", bench)
     (out / "bench.md").write_text(asp_markdown_table(rows, budget_s, target) + "\n")
@@ -303,6 +217,9 @@ def command(args, make_config: Callable[..., TrainConfig], render: Callable[[Pat
                   f"{budget_s:g} s; its accuracy at budget is that of its first, after {late_s:.1f} s of training "
                   "(raise --time-budget-s)", file=sys.stderr)
     print(asp_markdown_table(result["results"], budget_s, target))
+    for f in result["failed"]:
+        print(f"omnilearn bench: warning: {f['setting']}-{f['arm']} seed {f['seed']} failed and is not in its row: "
+              f"{f['error']}", file=sys.stderr)
     print(f"bench: {out / 'bench.json'}")
     if getattr(args, "plots", True):
         for path in [out, *sorted({Path(d) for r in result["results"] for d in r["run_dirs"]})]:

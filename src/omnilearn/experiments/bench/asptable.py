@@ -1,4 +1,4 @@
-"""The ``omnilearn bench --mode asp`` table (rows from :func:`omnilearn.experiments.bench.asp.merge`). Pure.
+"""The ``omnilearn bench --mode asp`` table (rows from :func:`omnilearn.experiments.bench.aspresults.merge`). Pure.
 
 One line per setting x arm: training seconds, final accuracy, accuracy at the
 budget (marked ``late: T s`` where some repeat had no evaluation by the budget
