@@ -738,3 +738,17 @@ def test_a_failed_tensorflow_asp_arm_is_named_and_left_out_the_others_run(tmp_pa
     assert [(a.arm, a.repeat) for a, _ in failed] == [("omnilearn", 0)] and "non-finite" in failed[0][1]
     err = capsys.readouterr().err
     assert "HL8-omnilearn (seed 0) failed, left out of its row" in err and err.count("\n") == 1
+
+
+def test_a_failed_tensorflow_chief_is_named_by_its_error_line_not_tensorflows_last_log_line(tmp_path):
+    from omnilearn.experiments.train.tfasp import last_line
+
+    log = tmp_path / "tf-chief.log"
+    log.write_text("W0000 warming up\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                   "RuntimeError: worker 3 pushed non-finite gradients (loss nan); lower --lr\n"
+                   "I0000 kernel_and_device.cc:101] Ignoring error status when releasing a function handle\n")
+    assert last_line(log) == "RuntimeError: worker 3 pushed non-finite gradients (loss nan); lower --lr"
+    log.write_text("I0000 only TensorFlow's lines\n\n")
+    assert last_line(log) == "I0000 only TensorFlow's lines"
+    log.write_text("")
+    assert last_line(log) == "no output"

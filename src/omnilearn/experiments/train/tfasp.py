@@ -28,10 +28,14 @@ import json
 import math
 import subprocess
 import sys
+import re
 from pathlib import Path
 
 from omnilearn.experiments.config import TrainConfig, build, load_toml
 from omnilearn.experiments.launch.supervise import WorkerFailed
+
+ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt|Exit)\b.*:")  # a traceback's last line
+
 
 def run_local(cfg: TrainConfig, run_dir: Path) -> None:
     from omnilearn.tf.servers import local_cluster
@@ -45,8 +49,10 @@ def run_local(cfg: TrainConfig, run_dir: Path) -> None:
 
 
 def last_line(path: Path) -> str:
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1].strip()[:300] if lines else "no output"
+    """The log's Python error line if it has one (TensorFlow's own logging can print after it), else its last."""
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if ERROR_LINE.match(line)]
+    return (errors or lines or ["no output"])[-1][:300]
 
 
 def chief(run_dir: Path, spec: dict) -> dict:
