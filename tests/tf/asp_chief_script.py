@@ -73,7 +73,8 @@ def main() -> None:
         killer = None if kill is None else (kill[1], lambda: servers[("worker", kill[0])].send_signal(signal.SIGKILL))
         from omnilearn.asp.settings import ASPSettings
         chief = Chief(strategy, cfg, build, loss, lambda: keras.optimizers.SGD(LR), x, y, epochs,
-                      settings=ASPSettings(os.environ.get("ASP_LR_SCALING", "linear"), max_staleness=bound), keep_order=True, kill=killer)
+                      settings=ASPSettings(os.environ.get("ASP_LR_SCALING", "linear"), max_staleness=bound),
+                      keep_order=True, kill=killer)
         initial = [v.numpy() for v in chief.model.weights]
         devices = sorted({v.value.device for v in chief.model.weights + chief.optimizer.variables})
         summary = {**chief.run(), "variable_devices": devices}

@@ -148,7 +148,8 @@ class ParameterServer:
         train_s = wall_s - self.clock.paused_s
         if self.evaluate is not None:
             self.log.evaluation(self.dealer.epoch, self.version, train_s, *self.evaluate(self.model))
-        return self.log.finish(wall_s, train_s, self.staleness, saver(self.model), self.dealer.dealt, self.coverage.summary(),
+        return self.log.finish(wall_s, train_s, self.staleness, saver(self.model), self.dealer.dealt,
+                               self.coverage.summary(),
                                self.step)
 
     def answer(self, req: Request, payload: torch.Tensor | None) -> None:

@@ -95,7 +95,7 @@ class Chief:
                  lr_at: Callable[[int], float] | None = None, run_dir: Path | None = None,
                  keep_order: bool = False, kill: tuple[int, Callable[[], None]] | None = None) -> None:
         workers = cfg.workers
-        self.strategy, self.cfg, self.workers, self.loss, self.epochs = strategy, cfg, workers, loss, epochs
+        self.strategy, self.cfg, self.workers, self.epochs = strategy, cfg, workers, epochs
         self.settings = ASPSettings() if settings is None else settings
         self.b_ref = cfg.global_batch / workers
         self.declared = parse_speeds(cfg.speeds, workers, cfg.levels)
@@ -118,7 +118,6 @@ class Chief:
         self.staleness, self.log = Staleness(workers), PushLog(workers)
         self.record = ASPLog(cfg, self.settings, total_pushes, run_dir)
         self.clock = TrainClock()
-        self.live = list(range(workers))
         self.decisions: list[tuple[int, tuple[int, ...]]] = []  # (version, batches) after each change
         self.applied = 0  # pushes applied (the chief is the only writer of ``version``)
         self.in_flight = 0
@@ -284,10 +283,9 @@ class Chief:
             self.dealer.take_back(epoch, indices)
             self.in_flight -= 1
             self.control.drop(worker)  # its share goes to the live others
-            self.live = [w for w in self.live if w != worker]
             why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
             self.log.dropped[worker] = why
-            self.record.drop(self.applied, worker, why, len(indices), self.live, self.control.batches, epoch)
+            self.record.drop(self.applied, worker, why, len(indices), self.control.live, self.control.batches, epoch)
             self.changed.notify_all()
 
     def summary(self, wall_s: float) -> dict:

@@ -63,6 +63,8 @@ BUDGET_S = {"full": 30.0, "quick": 20.0}  # training seconds per arm
 REPEATS = {"full": 3, "quick": 1}  # seeds --seed, --seed + 1, ...
 ASP_MAX_STEPS = 10**6  # ASP arms stop on time, long before this (and --epochs is lifted to match)
 BSP_MARGIN = 1.3  # bsp steps: this many times what the ASP throughput would do in the budget
+
+
 def parse_settings(text: str) -> tuple[str, ...]:
     settings = parse_any_setting(text)
     if "paper" in settings:
@@ -166,7 +168,8 @@ def run(base: TrainConfig, settings: tuple[str, ...], budget_s: float, repeats: 
              "global_batch": base.global_batch, "control_interval": base.control_interval, "lr": base.lr,
              "bsp_lr": BSP_LR, "bsp_momentum": BSP_MOMENTUM, "lr_schedule": base.lr_schedule, "repeats": repeats,
              "seeds": [base.seed + k for k in range(repeats)], "bsp_steps": steps, "target_accuracy": target,
-             "failed": [{"setting": a.setting, "arm": a.arm, "seed": a.job.cfg.seed, "error": why} for a, why in failed],
+             "failed": [{"setting": a.setting, "arm": a.arm, "seed": a.job.cfg.seed, "error": why}
+                        for a, why in failed],
              "results": rows}
     write_json(out / "bench.json", bench)
     (out / "bench.md").write_text(asp_markdown_table(rows, budget_s, target) + "\n")

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
-import re
 from pathlib import Path
 
 from omnilearn.experiments.config import TrainConfig, build, load_toml
