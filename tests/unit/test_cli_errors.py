@@ -104,6 +104,11 @@ def test_cuda_without_cuda_is_refused_up_front(tmp_path, capsys):
         (["--target-accuracy", "2"], "--target-accuracy 2.0 must be a fraction"),
         (["--steps", "0"], "--steps 0 must be at least 1"),
         (["--global-batch", "16", "--min-batch", "8"], "smaller than workers x min batch"),
+        (["--mode", "asp", "--speeds", "1:2:x:4"], "'x' is not a positive speed"),
+        (["--mode", "asp", "--speeds", "1:2:0:4"], "'0' is not a positive speed"),
+        (["--mode", "asp", "--speeds", "1:2:3"], "give 3 workers but --workers is 4"),
+        (["--mode", "asp", "--speeds", "1:1:1:2,HL8,1:1:1:2"], "names a setting twice"),
+        (["--speeds", "1:1:1:2"], "unknown bench setting '1:1:1:2'"),
     ],
 )
 def test_bad_bench_flag_gives_one_line_and_exit_2(tmp_path, capsys, flags, needle):
@@ -112,6 +117,13 @@ def test_bad_bench_flag_gives_one_line_and_exit_2(tmp_path, capsys, flags, needl
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err
     assert not out.exists()
+
+
+def test_asp_bench_settings_keep_their_order_and_speeds_read_as_a_run_would():
+    from omnilearn.experiments.bench.asp import parse_settings, speeds_of
+
+    assert parse_settings("hl8, 1:2:3:4 ,HL1") == ("HL8", "1:2:3:4", "HL1")
+    assert [speeds_of(s) for s in parse_settings("1:2.5:3:4,HL8")] == ["1,2.5,3,4", "HL8"]
 
 
 def test_report_on_a_directory_without_a_run(tmp_path, capsys):

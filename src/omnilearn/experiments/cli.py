@@ -144,7 +144,8 @@ def _bench_parser(sub) -> None:
     _workload_args(p)
     add = p.add_argument
     add("--speeds", help=f"settings to run, comma-separated (default {','.join(SETTINGS)}; --mode asp: "
-        f"{','.join(aspbench.SETTINGS)}, --quick {','.join(aspbench.QUICK_SETTINGS)})")
+        f"{','.join(aspbench.SETTINGS)}, --quick {','.join(aspbench.QUICK_SETTINGS)}; --mode asp also takes one "
+        "speed per worker, colon-separated: --workers 8 --speeds 1:2:3:4:5:6:7:8)")
     add("--arms", help=f"controllers to compare, comma-separated, from {', '.join(CONTROLLERS)} (default "
         f"{','.join(FIXED_ARMS)} and --controller, itself model by default; plain DDP runs at HL1 besides)")
     add("--controller", choices=CONTROLLERS, help="the balancing arm beside uniform and static (default model; "

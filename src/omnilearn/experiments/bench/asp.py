@@ -1,7 +1,7 @@
 """``omnilearn bench --mode asp``: asynchronous training, uniform vs OmniLearn, at equal time and epochs.
 
-Per setting (a heterogeneity level) and repeat, three arms, each given the
-same budget of training time (evaluation excluded):
+Per setting (a heterogeneity level, or one speed per worker written ``1:2:4:8``, any worker count) and
+repeat, three arms, each given the same budget of training time (evaluation excluded):
 
 - ``uniform``: ASP, equal batches, no learning-rate scaling (the usual asynchronous baseline);
 - ``omnilearn``: ASP, batches re-tuned by the controller, linear learning-rate scaling;
@@ -36,6 +36,7 @@ Writes ``OUT/<setting>-<arm>[-r<k>]/`` run directories, ``OUT/bench.json``,
     omnilearn bench --mode asp --quick --out runs/asp-quick   # HL8, 1 seed, 20 s per arm: ~2-3 minutes on 2 cores
     omnilearn bench --mode asp --out runs/asp                 # HL1..HL8, 3 seeds, 30 s per arm: ~20 minutes
     omnilearn bench --mode asp --framework tensorflow --speeds HL8 --out runs/asp-tf   # HL8, 3 seeds: ~5 minutes
+    omnilearn bench --mode asp --workers 8 --speeds 1:2:3:4:5:6:7:8 --out runs/asp-8   # 8 workers: ~9 minutes
 """
 
 from __future__ import annotations
@@ -66,11 +67,36 @@ BSP_MARGIN = 1.3  # bsp steps: this many times what the ASP throughput would do 
 
 
 def parse_settings(text: str) -> tuple[str, ...]:
-    settings = parse_any_setting(text)
-    if "paper" in settings:
-        raise ConfigError("bench --mode asp runs fixed levels (HL1,HL2,HL4,HL8); the step-based 'paper' "
-                          "routine has no equal-time meaning here")
+    """Levels (``HL8``) and explicit speeds, one per worker, colon-separated (``1:2:4:8``: a comma separates
+    settings), in the order given."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    levels = parse_any_setting(",".join(s for s in items if ":" not in s)) if any(":" not in s for s in items) else ()
+    if "paper" in levels:
+        raise ConfigError("bench --mode asp runs fixed levels (HL1,HL2,HL4,HL8) or speeds (1:2:4:8); the "
+                          "step-based 'paper' routine has no equal-time meaning here")
+    chosen = iter(levels)
+    settings = tuple(_speeds(s) if ":" in s else next(chosen) for s in items)
+    if len(set(settings)) != len(settings):
+        raise ConfigError(f"--speeds {text!r} names a setting twice; use --repeats to run arms more than once")
     return settings
+
+
+def _speeds(text: str) -> str:
+    """``1:2:4:8`` checked: each a positive number."""
+    for part in text.split(":"):
+        try:
+            ok = math.isfinite(float(part)) and float(part) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"--speeds setting {text!r}: {part!r} is not a positive speed; write one speed per "
+                              "worker separated by colons, e.g. 1:2:4:8 (a comma separates settings)")
+    return text
+
+
+def speeds_of(setting: str) -> str:
+    """The run's ``speeds`` for a bench setting: a level as it is, ``1:2:4:8`` as ``1,2,4,8``."""
+    return setting.replace(":", ",")
 
 
 def _out(out: Path, setting: str, arm: str, rep: int, repeats: int) -> str:
@@ -85,7 +111,7 @@ def plan_asp(base: TrainConfig, settings: tuple[str, ...], repeats: int, budget_
             for name in names:
                 cfg = dataclasses.replace(
                     base, mode="asp", controller=name, lr_scaling="none" if name == "uniform" else "linear",
-                    speeds=setting, speed_schedule=None, seed=base.seed + rep, max_time_s=budget_s,
+                    speeds=speeds_of(setting), speed_schedule=None, seed=base.seed + rep, max_time_s=budget_s,
                     max_steps=ASP_MAX_STEPS, epochs=ASP_MAX_STEPS, out=_out(out, setting, name, rep, repeats),
                     overwrite=True)
                 arms.append(Arm(setting, name, rep, launch.Job(cfg, Path(cfg.out))))
@@ -98,7 +124,8 @@ def plan_bsp(base: TrainConfig, settings: tuple[str, ...], repeats: int, steps: 
         for setting in settings:
             cfg = dataclasses.replace(
                 base, mode="bsp", controller="omnilearn", lr=BSP_LR, momentum=BSP_MOMENTUM, lr_scaling="linear",
-                staleness_lr=False, max_time_s=None, speeds=setting, speed_schedule=None, seed=base.seed + rep,
+                staleness_lr=False, max_time_s=None, speeds=speeds_of(setting), speed_schedule=None,
+                seed=base.seed + rep,
                 max_steps=steps[setting], epochs=steps[setting], out=_out(out, setting, "bsp", rep, repeats),
                 overwrite=True)  # epochs: no cap below max_steps
             arms.append(Arm(setting, "bsp", rep, launch.Job(cfg, Path(cfg.out))))
