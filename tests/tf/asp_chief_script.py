@@ -6,7 +6,9 @@ plain SGD, writes ``OUT/summary.json`` (the chief's summary with the applied pus
 ``OUT/weights.npz`` (the initial and final weights). ``MAX_STALENESS``: ``none`` or the bound. ``KILL_WORKER
 KILL_AFTER``: that worker's server gets SIGKILL once the chief has applied ``KILL_AFTER`` pushes.
 ``ASP_MAX_BATCH`` (environment): ``max_batch``; ``ASP_INTERVAL``: ``control_interval`` (default 4);
-``ASP_LR_SCALING``: ``lr_scaling`` (default ``linear``).
+``ASP_LR_SCALING``: ``lr_scaling`` (default ``linear``); ``ASP_SIGNAL``: the signal sent instead of SIGKILL
+(``STOP``: the worker hangs, alive); ``ASP_HEARTBEAT_S``: ``heartbeat_s``. The script leaves at once when done
+(``os._exit``: a hung worker's thread stays in TensorFlow); a run that fails prints its error and exits 3.
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ def main() -> None:
         from omnilearn.config import BalanceConfig
         cfg = BalanceConfig(workers=workers, global_batch=global_batch, speeds=speeds, controller=controller, seed=5,
                             control_interval=int(os.environ.get("ASP_INTERVAL", "4")),
-                            max_batch=int(os.environ["ASP_MAX_BATCH"]) if "ASP_MAX_BATCH" in os.environ else None)
-        killer = None if kill is None else (kill[1], lambda: servers[("worker", kill[0])].send_signal(signal.SIGKILL))
+                            max_batch=int(os.environ["ASP_MAX_BATCH"]) if "ASP_MAX_BATCH" in os.environ else None,
+                            heartbeat_s=float(os.environ.get("ASP_HEARTBEAT_S", "60")), timeout_s=120.0)
+        sent = getattr(signal, "SIG" + os.environ.get("ASP_SIGNAL", "KILL"))
+        killer = None if kill is None else (kill[1], lambda: servers[("worker", kill[0])].send_signal(sent))
         from omnilearn.asp.settings import ASPSettings
         chief = Chief(strategy, cfg, build, loss, lambda: keras.optimizers.SGD(LR), x, y, epochs,
                       settings=ASPSettings(os.environ.get("ASP_LR_SCALING", "linear"), max_staleness=bound),
@@ -87,4 +91,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        code = 0
+    except Exception:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        code = 3
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a hung worker's thread may still be in TensorFlow

@@ -15,6 +15,8 @@ chief (the coordinator) in the script's, a float64 MLP on 256 synthetic samples,
 - Two workers at 16 and 48, worker 1's server SIGKILLed after 5 pushes: the chief drops it and worker 0 ends the
   run; no sample is lost or repeated and no push is applied that the chief did not count (a call of worker 0
   that failed with its peer is sent again).
+- The same, worker 1's server stopped (SIGSTOP) instead: its call not back within ``heartbeat_s``, it is dropped
+  the same way and worker 0 ends the run.
 
 - ``omnilearn train --framework tensorflow --mode asp`` (2 workers, ``mlp``, 30 steps of 2 pushes): the
   launcher's parameter server, workers and chief; ``summary.json`` holds each worker's staleness quantiles, the
@@ -112,6 +114,16 @@ def test_a_killed_worker_loses_no_sample_and_no_push_is_applied_twice(tmp_path):
     assert list(summary["dropped"]) == ["1"] and "Error" in summary["dropped"]["1"]
     assert summary["pushes"][1] <= 5  # killed once 5 pushes were applied; worker 0 ended the run
     assert summary["batches"] == [64, 0]  # its share went to worker 0
+
+
+def test_a_hung_worker_is_dropped_after_its_heartbeat_and_its_samples_dealt_again(tmp_path):
+    # worker 1's server is stopped (SIGSTOP: alive, never answering) once both answered and 5 pushes were
+    # applied; its call in flight, or its next, is not back within --heartbeat-s 4: dropped as a dead one is
+    summary, _ = chief(tmp_path / "run", "2", "64", "1,3", "static", "4", "none", "1", "5",
+                       env={"ASP_SIGNAL": "STOP", "ASP_HEARTBEAT_S": "4"})
+    every_sample_once(summary, epochs=4)
+    assert list(summary["dropped"]) == ["1"] and "no answer for" in summary["dropped"]["1"], summary["dropped"]
+    assert summary["batches"] == [64, 0]
 
 
 def test_omnilearn_train_runs_tensorflow_asp_and_writes_the_staleness_per_worker(tmp_path, capfd):

@@ -14,14 +14,13 @@ Staleness is exact per push (:class:`~omnilearn.asp.rules.Staleness`); ``max_sta
 the bound once (:func:`~omnilearn.asp.rules.over_bound`). The batches: the PyTorch server's controller
 (:class:`~omnilearn.asp.control.PushControl`) on each worker's cycle, so the workers push at the same rate; an
 emulated slower worker is the chief waiting ``(slowdown - 1) x`` its compute time (timed on the worker) before
-it applies the push. A failed call: a worker that is gone (``context.check_alive``) is dropped and its indices
-dealt again to the others; a live one (failed with a peer's death) sends the push again. The record is the
-PyTorch server's (:class:`~omnilearn.observe.asplog.ASPLog`: ``metrics.jsonl`` events, progress lines,
-``summary.json``); ``evaluate(model)`` runs after each epoch of data is dealt and at the end, under the lock,
-with the training clock paused; ``max_time_s`` stops the run after that much training. An error in a worker's
-thread (a non-finite gradient) stops the others and is raised by :meth:`Chief.run`.
+it applies the push. A worker that is gone (``context.check_alive``), or hung (a call late: :mod:`.aspwatch`),
+is dropped and its indices dealt again to the others; a live one whose call failed with a peer's death sends
+it again. The record is the PyTorch server's (:class:`~omnilearn.observe.asplog.ASPLog`); ``evaluate(model)``
+runs after each epoch dealt and at the end, under the lock, the training clock paused; ``max_time_s`` stops
+the run. An error in a worker's thread (a non-finite gradient) stops the others and is raised by ``run()``.
+Not yet: checkpoints and resume, a speed schedule, several machines.
 
-Not yet: checkpoints and resume, a speed schedule, a hung worker's detection, several machines.
 Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
 """
 
@@ -30,7 +29,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -48,27 +46,17 @@ from omnilearn.observe.asplog import ASPLog
 from omnilearn.observe.rundir import prepare
 from omnilearn.emulation.speeds import parse_speeds, slowdown
 from omnilearn.tf.aspgraph import Placed, worker_device
+from omnilearn.tf.asptally import PushLog, tally
+from omnilearn.tf.aspwatch import CallWatch
 from omnilearn.tf.batches import save_weights
 
 
 MAX_RESENDS = 3  # a live worker whose call keeps failing is dropped after this many resends of one push
+WATCH_S = 0.5  # how often run() looks for a call older than its allowance (a hung worker)
 
 
-@dataclass
-class PushLog:
-    """What the chief saw: per worker its applied pushes and resends; the workers dropped and why; the applied
-    pushes in order as ``(worker, epoch, indices, version read, staleness, recomputed after a refusal)`` (kept
-    only when ``keep_order``)."""
-
-    workers: int
-    pushes: list[int] = field(default_factory=list)
-    resent: list[int] = field(default_factory=list)
-    dropped: dict[int, str] = field(default_factory=dict)
-    order: list[tuple] = field(default_factory=list)
-    last_loss: float | None = None
-
-    def __post_init__(self) -> None:
-        self.pushes, self.resent = [0] * self.workers, [0] * self.workers
+class WorkerHung(RuntimeError):
+    """A worker's call did not come back within its allowance (:meth:`Chief._watch`)."""
 
 
 class Chief:
@@ -123,6 +111,7 @@ class Chief:
         self.in_flight = 0
         self.evaluated_epoch = 0  # epochs of data evaluated after
         self.error: BaseException | None = None  # a worker thread's: the others stop, run() raises it
+        self.watch = CallWatch(workers, cfg.heartbeat_s, cfg.timeout_s)  # calls in flight: which worker is hung
         self.changed = threading.Condition()  # the chief's lock; notified when a push ends (indices may be back)
 
     @property
@@ -135,12 +124,14 @@ class Chief:
         evaluate, write the record (``run_dir``) and return the chief's summary (:meth:`summary`)."""
         self.clock.start()
         self.record.speeds(0, self.declared)
-        threads = [threading.Thread(target=self._serve, args=(w,), name=f"omnilearn-asp-worker-{w}")
+        threads = [threading.Thread(target=self._serve, args=(w,), name=f"omnilearn-asp-worker-{w}", daemon=True)
                    for w in range(self.workers)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        with self.changed:  # the watchdog: a call that does not come back in time drops its worker
+            while any(t.is_alive() for w, t in enumerate(threads) if w not in self.watch.hung):
+                self._watch()
+                self.changed.wait(timeout=WATCH_S)
         if self.error is not None:
             raise self.error
         wall_s = self.clock.wall_s()
@@ -153,6 +144,18 @@ class Chief:
                                                                          "pushes": list(self.log.pushes),
                                                                          "resent": list(self.log.resent)})
         return self.summary(wall_s)
+
+    def _watch(self) -> None:
+        """Under the lock: drop every worker whose call is late (:class:`CallWatch`) as a dead one is dropped: its
+        samples are dealt again to the others, its thread is left (TensorFlow cannot cancel a call) and what it may
+        still bring back is discarded. With no worker left the run stops: :class:`WorkerHung`."""
+        cfg = self.cfg
+        for worker, waited, epoch, indices in self.watch.late(time.perf_counter()):
+            self._drop(worker, epoch, indices, f"no answer for {waited:.0f} s (hung; --heartbeat-s "
+                                               f"{cfg.heartbeat_s:g}, a first call --timeout-s {cfg.timeout_s:g})")
+        if self.watch.hung and not self.control.live and self.error is None:
+            self.error = WorkerHung("every worker was dropped, the last as hung: "
+                                    + "; ".join(f"worker {w}: {why}" for w, why in self.log.dropped.items()))
 
     def _spent(self) -> bool:
         """The training-time budget (``settings.max_time_s``) is spent."""
@@ -215,17 +218,22 @@ class Chief:
             retried, resends = False, 0
             while True:
                 began = time.perf_counter()
-                try:
+                self.watch.begin(worker, began, epoch, indices)  # watched by run() until it is back
+                dealt_here = tf.constant(indices, dtype=tf.int32)  # on the chief: made on a stopped worker's
+                try:  # device it would block holding the GIL, and no thread of the chief could run
                     with tf.device(worker_device(worker)):
-                        loss, seen, flat, compute_s = self.placed.gradient(x, y, tf.constant(indices,
-                                                                                              dtype=tf.int32))
+                        loss, seen, flat, compute_s = self.placed.gradient(x, y, dealt_here)
                     loss, seen, flat, compute_s = float(loss), int(seen), flat.numpy(), float(compute_s)
                 except tf.errors.OpError as e:
+                    if self._abandoned(worker):
+                        return
                     if resends < MAX_RESENDS and context.context().check_alive(worker_device(worker)):
                         resends += 1  # a peer's death failed this call too: send it again
                         self.log.resent[worker] += 1
                         continue
-                    self._drop(worker, epoch, indices, e)
+                    self._drop(worker, epoch, indices, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
+                    return
+                if self._abandoned(worker):
                     return
                 if self.slowdown[worker] > 1.0:  # an emulated slower worker: its gradient arrives later, by the
                     time.sleep((self.slowdown[worker] - 1.0) * compute_s)  # extra time its compute takes
@@ -243,6 +251,8 @@ class Chief:
         pulled version, cycle and compute seconds and loss (what a PyTorch worker's request carries)."""
         kill = None
         with self.changed:
+            if worker in self.watch.hung:  # dropped while this was computed: its samples were dealt again
+                return True
             if self._spent():  # the budget ran out while it was computed: not applied, nothing more dealt
                 self.dealer.take_back(epoch, indices)
                 self.in_flight -= 1
@@ -257,6 +267,7 @@ class Chief:
             self.placed.apply(tf.constant(flat), tf.constant(scale, dtype=tf.float64))
             base = self.lr0 if self.lr_at is None else self.lr_at(self.applied)
             self.applied += 1
+            self.watch.answered[worker] = True
             self.staleness.record(worker, self.applied - 1, push.pulled_version)
             self.coverage.add(epoch, indices)
             self.log.pushes[worker] += 1
@@ -272,30 +283,27 @@ class Chief:
                     self.decisions.append((self.applied, self.control.batches))
             self.in_flight -= 1
             self.changed.notify_all()
-            if self.kill is not None and self.applied >= self.kill[0]:
+            if self.kill is not None and self.applied >= self.kill[0] and all(self.watch.answered):
                 kill, self.kill = self.kill[1], None
         if kill is not None:
             kill()
         return True
 
-    def _drop(self, worker: int, epoch: int, indices: list[int], error: Exception) -> None:
+    def _abandoned(self, worker: int) -> bool:
+        """The worker's call came back (or failed): whether it was dropped as hung meanwhile (its thread ends)."""
+        self.watch.back(worker)  # before the lock: an evaluation holding it does not make the call late
+        with self.changed:
+            return worker in self.watch.hung
+
+    def _drop(self, worker: int, epoch: int, indices: list[int], why: str) -> None:
         with self.changed:
             self.dealer.take_back(epoch, indices)
             self.in_flight -= 1
             self.control.drop(worker)  # its share goes to the live others
-            why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
             self.log.dropped[worker] = why
             self.record.drop(self.applied, worker, why, len(indices), self.control.live, self.control.batches, epoch)
             self.changed.notify_all()
 
     def summary(self, wall_s: float) -> dict:
-        s = self.staleness
-        return {"wall_s": wall_s, "pushes": list(self.log.pushes), "resent": list(self.log.resent),
-                "applied": self.applied, "version": int(self.version.numpy()),
-                "dropped": {str(w): why for w, why in self.log.dropped.items()},
-                "staleness": {"p50": [s.quantile(0.5, w) for w in range(self.workers)],
-                              "p99": [s.quantile(0.99, w) for w in range(self.workers)],
-                              "max": list(s.maxima), "refused": list(s.refused)},
-                "coverage": self.coverage.summary(), "last_loss": self.log.last_loss,
-                "batches": list(self.control.batches), "decisions": [[v, list(b)] for v, b in self.decisions],
-                "order": self.log.order}
+        """The chief's own tally (tests read it; the run's record is ``summary.json``)."""
+        return tally(self, wall_s)

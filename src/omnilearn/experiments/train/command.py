@@ -98,8 +98,8 @@ def train_tensorflow_asp(cfg: TrainConfig, args: argparse.Namespace) -> int:
     steps = workload.look(cfg)
     run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
     announce(cfg, steps, run_dir, " TensorFlow")
-    print("omnilearn: TensorFlow ASP writes no checkpoints yet and watches no heartbeat (--checkpoint-every, "
-          "--heartbeat-s and --timeout-s are not used: a hung worker stalls the run)", flush=True)
+    print("omnilearn: TensorFlow ASP writes no checkpoints yet (--checkpoint-every is not used); a worker that "
+          "gives no answer within --heartbeat-s is dropped as a dead one is", flush=True)
     tfasp.run_local(cfg, run_dir)
     return 0
 

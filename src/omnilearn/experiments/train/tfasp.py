@@ -15,9 +15,9 @@ exits, the servers are stopped; a chief that fails is named in one line with its
 --mode asp --framework tensorflow`` runs its arms through :func:`run_local` too.
 
 Refused in one line (``TrainConfig``'s TensorFlow check): what the chief does not do yet (``--resume``,
-``--max-restarts``, a speed schedule), and ``TF_CONFIG`` (several machines). It writes no checkpoints and
-watches no heartbeat yet, whatever ``--checkpoint-every``, ``--heartbeat-s`` and ``--timeout-s`` say (a hung
-worker stalls the run): the start line says so.
+``--max-restarts``, a speed schedule), and ``TF_CONFIG`` (several machines). It writes no checkpoints yet,
+whatever ``--checkpoint-every`` says: the start line says so. A worker whose call is not back within
+``--heartbeat-s`` (its first: ``--timeout-s``) is dropped as a dead one is (``drop`` event, ``summary.json``).
 
 Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
 """
@@ -100,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import traceback
+
     from omnilearn.experiments.train.tfjob import exit_now
 
-    exit_now(main())
+    try:
+        code = main()
+    except BaseException:  # noqa: BLE001  (a hung worker's thread stays in TensorFlow: report, then leave at once)
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
