@@ -11,7 +11,8 @@ chief (the coordinator) in the script's, a float64 MLP on 256 synthetic samples,
   replay of the same pushes in order, each gradient scaled by ``b / 48`` (1e-12): the worker sends gradients,
   the chief applies them at the push's own rate.
 - Two workers declared equal, scripted timings with worker 1 three times slower a sample, the ``model``
-  controller every 2 x 2 pushes: the batches move to worker 0 until both push at the same rate (48 and 16).
+  controller every 2 x 2 pushes: the batches move to worker 0 until both push at the same rate (48 and 16), and
+  the gradient function is traced once per worker whatever the batch.
 - Two workers at 16 and 48, worker 1's server SIGKILLed after 5 pushes: the chief drops it and worker 0 ends the
   run; no sample is lost or repeated and no push is applied that the chief did not count (a call of worker 0
   that failed with its peer is sent again).
@@ -106,6 +107,7 @@ def test_the_controller_moves_samples_to_the_worker_that_pushes_faster(tmp_path)
     assert sum(summary["batches"]) == 64
     fast, slow = summary["batches"]  # pushing at the same rate: equal scripted cycles, to one slow sample
     assert abs(fast * 0.0001 - slow * 0.0003) <= 0.0003, summary["decisions"]
+    assert summary["traces"] <= 2  # the gradient function traced once per worker, not per batch
 
 
 def test_a_killed_worker_loses_no_sample_and_no_push_is_applied_twice(tmp_path):

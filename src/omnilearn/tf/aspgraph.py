@@ -43,7 +43,11 @@ class Placed:
         for w in range(workers):  # the arrays, once, into each worker's memory
             with tf.device(worker_device(w)):
                 self.data.append((tf.identity(tf.constant(x)), tf.identity(tf.constant(y))))
-        self.gradient = tf.function(self._gradient)
+        # the indices of any length: one trace per worker, whatever its batch (each batch change retraced: seconds
+        # on a small host, inside the worker's measured cycle)
+        x0, y0 = self.data[0]
+        self.gradient = tf.function(self._gradient, input_signature=[
+            tf.TensorSpec(x0.shape, x0.dtype), tf.TensorSpec(y0.shape, y0.dtype), tf.TensorSpec([None], tf.int32)])
         self.apply = tf.function(self._apply)
 
     def _gradient(self, x, y, indices):

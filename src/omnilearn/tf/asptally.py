@@ -3,7 +3,8 @@
 The run's record (``metrics.jsonl``, ``summary.json``) is the PyTorch server's
 (:class:`~omnilearn.observe.asplog.ASPLog`); this is the chief's view: pushes and resends per worker, the
 workers dropped and why, the version on the parameter server against the pushes applied, each epoch's
-coverage, the batches and their changes, and (``keep_order``) every applied push in order.
+coverage, the batches and their changes, the gradient function's traces, and (``keep_order``) every applied
+push in order.
 
 Run: ``python -m pytest -q tests/tf/test_tf_asp.py``
 """
@@ -41,4 +42,4 @@ def tally(chief, wall_s: float) -> dict:
                           "max": list(s.maxima), "refused": list(s.refused)},
             "coverage": chief.coverage.summary(), "last_loss": chief.log.last_loss,
             "batches": list(chief.control.batches), "decisions": [[v, list(b)] for v, b in chief.decisions],
-            "order": chief.log.order}
+            "order": chief.log.order, "traces": chief.placed.gradient.experimental_get_tracing_count()}
