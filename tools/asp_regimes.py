@@ -40,7 +40,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from omnilearn.asp.control import PushControl, push_loop
 from omnilearn.asp.rules import IndexDealer, Staleness, push_lr
 from omnilearn.config import BalanceConfig
-from omnilearn.emulation.speeds import ASP_LEVELS, parse_speeds
+from omnilearn.emulation.speeds import ASP_LEVELS, SpeedError, parse_speeds
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.train import workload
 
@@ -187,7 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write every run's record here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    speeds = speeds_of(args.speeds, args.workers)
+    if min(args.workers, args.epochs, args.seeds, args.global_batch) < 1 or args.lr <= 0:
+        raise SystemExit("asp_regimes: --workers, --epochs, --seeds and --global-batch must be at least 1, --lr "
+                         "positive")
+    try:
+        speeds = speeds_of(args.speeds, args.workers)
+    except SpeedError as e:
+        raise SystemExit(f"asp_regimes: {e}") from None
     if not set(args.arms.split(",")) <= set(ARMS):
         raise SystemExit(f"asp_regimes: --arms {args.arms!r}: choose from {', '.join(ARMS)}")
     splits = workload.load_data(TrainConfig(model=args.model))

@@ -103,8 +103,7 @@ def test_the_controller_moves_samples_to_the_worker_that_pushes_faster(tmp_path)
     summary, _ = chief(tmp_path / "run", "2", "64", "1,1", "model", "3", "none",
                        env={SCRIPTED_ENV: "0.0001,0.0003", "ASP_INTERVAL": "2"})
     every_sample_once(summary, epochs=3)
-    assert summary["decisions"] and summary["batches"][0] > 2 * summary["batches"][1], summary["batches"]
-    assert sum(summary["batches"]) == 64
+    assert summary["decisions"] and sum(summary["batches"]) == 64
     fast, slow = summary["batches"]  # pushing at the same rate: equal scripted cycles, to one slow sample
     assert abs(fast * 0.0001 - slow * 0.0003) <= 0.0003, summary["decisions"]
     assert summary["traces"] <= 2  # the gradient function traced once per worker, not per batch

@@ -69,13 +69,11 @@ BSP_MARGIN = 1.3  # bsp steps: this many times what the ASP throughput would do 
 def parse_settings(text: str) -> tuple[str, ...]:
     """Levels (``HL8``) and explicit speeds, one per worker, colon-separated (``1:2:4:8``: a comma separates
     settings), in the order given."""
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    levels = parse_any_setting(",".join(s for s in items if ":" not in s)) if any(":" not in s for s in items) else ()
-    if "paper" in levels:
+    items = [s.strip() for s in text.split(",") if s.strip()] or parse_any_setting(text)  # none: its one-line error
+    settings = tuple(_speeds(s) if ":" in s else parse_any_setting(s)[0] for s in items)
+    if "paper" in settings:
         raise ConfigError("bench --mode asp runs fixed levels (HL1,HL2,HL4,HL8) or speeds (1:2:4:8); the "
                           "step-based 'paper' routine has no equal-time meaning here")
-    chosen = iter(levels)
-    settings = tuple(_speeds(s) if ":" in s else next(chosen) for s in items)
     if len(set(settings)) != len(settings):
         raise ConfigError(f"--speeds {text!r} names a setting twice; use --repeats to run arms more than once")
     return settings
