@@ -59,6 +59,8 @@ import json
 import zlib
 from typing import Sequence
 
+import numpy as np
+
 from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop
 from omnilearn.config import BalanceConfig, ConfigError, shared_settings
 from omnilearn.data.schedule import BatchSchedule
@@ -118,11 +120,12 @@ class Meeting:
         self.ctx, self.kind, self.steps_done = ctx, kind, steps_done
         if len(rows) > slots:
             raise ValueError(f"a meeting with room for {slots} step rows was given {len(rows)}")
-        row = table_row(kind, steps_done, last_read, window, stop, cap, step_s, reset, plan)
-        self.width, self.full = len(row), None
-        row.append(float(len(rows)))
-        row += [v for r in rows for v in r]
-        row += [0.0] * (ROW_WIDTH * (slots - len(rows)))
+        head = table_row(kind, steps_done, last_read, window, stop, cap, step_s, reset, plan)
+        self.width, self.full = len(head), None
+        row = np.zeros(len(head) + 1 + ROW_WIDTH * slots)  # the head, the row count, the rows, zeros to the slots
+        row[: self.width], row[self.width] = head, len(rows)
+        if len(rows):
+            row[self.width + 1 : self.width + 1 + ROW_WIDTH * len(rows)] = np.asarray(rows, dtype=np.float64).ravel()
         try:
             self.gathering = RowGathering(ctx, row)
         except RuntimeError as e:
@@ -137,15 +140,15 @@ class Meeting:
     def rows(self) -> list[list[list[float]]]:
         """Every rank's step rows, as sent (after :meth:`table`)."""
         first = self.width + 1
-        return [[row[i:i + ROW_WIDTH] for i in range(first, first + ROW_WIDTH * int(row[self.width]), ROW_WIDTH)]
+        return [row[first : first + ROW_WIDTH * int(row[self.width])].reshape(-1, ROW_WIDTH).tolist()
                 for row in self.full]
 
     def table(self) -> list[list[float]]:
         try:
-            self.full = self.gathering.wait()
+            self.full = self.gathering.array()
         except RuntimeError as e:
             raise self._absent(e) from e
-        table = [row[:self.width] for row in self.full]
+        table = self.full[:, : self.width].tolist()
         kind, steps_done = self.kind, self.steps_done
         where = [(int(row[0]), int(row[1])) for row in table]
         if len(set(where)) > 1:

@@ -48,14 +48,18 @@ class StepLedger:
 
     def handed_out(self, step: int, restart: bool) -> None:
         """The loader hands out ``step`` (``restart``: the first of a new iteration after an abandoned one)."""
+        queue = self.queue
         if restart:
-            self.queue.clear()
+            queue.clear()
             self.open = None
-        if len(self.queue) > FETCH_AHEAD_LIMIT:
-            raise RuntimeError(f"steps {list(self.queue)} were handed out but never reported: call ol.step() once per "
+        if len(queue) > FETCH_AHEAD_LIMIT:
+            raise RuntimeError(f"steps {list(queue)} were handed out but never reported: call ol.step() once per "
                                f"batch, after optimizer.step() (a loop may fetch at most {FETCH_AHEAD_LIMIT} ahead)")
-        self.queue.append(step)
-        self.start_next()
+        queue.append(step)
+        if self.open is None:  # :meth:`start_next` (every step: no call for it)
+            self.open = self.last_started = queue[0]
+            self.on_start(self.open)
+            self.timer.begin()
 
     def start_next(self) -> None:
         """Start the clock of the oldest queued step, if none is open."""
@@ -85,9 +89,9 @@ class StepLedger:
         if len(times) != len(self.pending):
             raise RuntimeError(f"step ledger drift: {len(self.pending)} step(s) reported but {len(times)} timed; "
                                "only StepLedger.report may end a StepTimer step, and only rows() collect it")
-        for (step, batch, _, lr), t, loss in zip(self.pending, times, _losses(self.pending)):
-            row = [step, batch, t.compute_s, t.wait_s, t.step_s, loss, t.delay_s, lr]
-            self.resolved.append([float(v) for v in row])
+        self.resolved += [[float(step), float(batch), compute_s, wait_s, step_s, loss, delay_s, float(lr)]
+                          for (step, batch, _, lr), (compute_s, wait_s, step_s, delay_s), loss
+                          in zip(self.pending, times, _losses(self.pending))]
         self.pending.clear()
         return self.resolved
 

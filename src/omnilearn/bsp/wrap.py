@@ -74,29 +74,25 @@ class BalancedDDP(DDP):
     """DDP whose ``no_sync()`` explains what to use instead, and whose forward after :func:`release` is the module's."""
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if "reducer" not in self.__dict__:  # released: no group left to sync with
+        own = self.__dict__
+        if "reducer" not in own:  # released: no group left to sync with
             return self.module(*inputs, **kwargs)
-        self._check_order()
+        # Refuse what was done to the model after ``ol.wrap_model`` (module docstring), inline (every forward): an
+        # outer DDP (:func:`outer_ddp`), and whether this model's or its module's type changed since the last full
+        # look (``fully_shard`` changes a module's class in place); the first forward and after such a change, every
+        # module and parameter.
+        active = DDP._get_active_ddp_module()
+        if active is not None and active is not self:
+            _refuse_outer(active)
+        seen = own.get("types_checked")  # (this model's type, its module, the module's type)
+        if seen is None or type(self) is not seen[0] or type(seen[1]) is not seen[2]:
+            self._check_sharding(seen is None)
         out = super().forward(*inputs, **kwargs)
         if self.require_backward_grad_sync and torch.is_grad_enabled():
-            marks = self.__dict__.get("marks")
+            marks = own.get("marks")
             if marks is not None:
                 marks.on_output(out)
         return out
-
-    def _check_order(self) -> None:
-        """Refuse what was done to the model after ``ol.wrap_model`` (module docstring). Every forward: an outer
-        DDP, and whether this model's or its module's type changed since the last full look (``fully_shard``
-        changes a module's class in place); the first forward and after such a change, every module and parameter."""
-        outer = outer_ddp(self)
-        if outer is not None:
-            raise ConfigError(f"the model ol.wrap_model() returned was wrapped again in {type(outer).__name__} "
-                              "(accelerator.prepare(model) after ol.wrap_model?), which would average its weighted "
-                              "gradients a second time: keep ol.wrap_model's model and prepare only the optimizer "
-                              "(optimizer = accelerator.prepare(optimizer))")
-        seen = self.__dict__.get("types_checked")  # (this model's type, its module, the module's type)
-        if seen is None or type(self) is not seen[0] or type(seen[1]) is not seen[2]:
-            self._check_sharding(seen is None)
 
     def _check_sharding(self, first: bool) -> None:
         """Refuse a model sharded after ``ol.wrap_model``: the root (any forward), or any module or parameter inside
@@ -115,6 +111,13 @@ class BalancedDDP(DDP):
             "model.no_sync() is not supported on an OmniLearn model: the accumulated gradients would all be "
             "weighted by the last step's batch share. Set accumulation_steps=K in omnilearn.setup() (--accumulation-"
             "steps K), iterate the K micro-batches the loader hands out per step and call ol.backward(loss) for each")
+
+
+def _refuse_outer(outer: DDP) -> None:
+    raise ConfigError(f"the model ol.wrap_model() returned was wrapped again in {type(outer).__name__} "
+                      "(accelerator.prepare(model) after ol.wrap_model?), which would average its weighted "
+                      "gradients a second time: keep ol.wrap_model's model and prepare only the optimizer "
+                      "(optimizer = accelerator.prepare(optimizer))")
 
 
 def outer_ddp(model: DDP) -> DDP | None:

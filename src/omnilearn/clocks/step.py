@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from omnilearn.clocks.host import HostClock
 
 
-@dataclass(frozen=True)
-class StepTimes:
+class StepTimes(NamedTuple):
+    """One step's times (a tuple: a window's worth are made at once, :meth:`StepTimer.collect`)."""
+
     compute_s: float
     wait_s: float
     step_s: float
@@ -133,7 +134,7 @@ class StepTimer(HostClock):
             pending, self.pending = self.pending, []
         if pending and pending[-1][0] == "cuda":
             pending[-1][1]["end"].synchronize()
-        times = [StepTimes(*p[1]) if p[0] == "cpu" else _cuda_times(p[1], p[2]) for p in pending]
+        times = [StepTimes._make(p[1]) if p[0] == "cpu" else _cuda_times(p[1], p[2]) for p in pending]
         done = [e for p in pending if p[0] == "cuda" for k, e in p[1].items() if k != "stalls"]
         with self._lock:  # resolved: each can be recorded again
             self._free.extend(done)

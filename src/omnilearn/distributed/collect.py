@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,22 +35,28 @@ class RowGathering:
     """An all-gather of one row per rank in flight; :meth:`wait` gives every rank's row, in rank order."""
 
     def __init__(self, ctx: DistContext, row: Sequence[float], group=None) -> None:
-        self.work = None
+        self.work, self.rows = None, None
         world = 1 if not ctx.grouped else ctx.world_size if group is None else dist.get_world_size(group)
         if world == 1:  # one process alone (or a group of one): its own row, at once
-            self.rows = [[float(v) for v in row]]
+            self.full = np.asarray(row, dtype=np.float64).reshape(1, -1)
         else:
-            mine = torch.tensor(row, dtype=torch.float64, device=ctx.device)
+            mine = torch.as_tensor(np.asarray(row, dtype=np.float64), device=ctx.device)  # an array: no copy on CPU
             self.out = torch.empty(world * len(mine), dtype=torch.float64, device=ctx.device)  # flat: gloo's need
             self.shape = (world, len(mine))
             self.work = _GATHER_INTO(self.out, mine, group=group, async_op=True)  # one buffer: no stack
 
     def wait(self) -> list[list[float]]:
+        if self.rows is None:
+            self.rows = self.array().tolist()
+        return self.rows
+
+    def array(self) -> np.ndarray:
+        """Every rank's row, in rank order, as one ``[world, len(row)]`` float64 array (no Python float each)."""
         if self.work is not None:
             work, self.work = self.work, None
             work.wait()
-            self.rows = self.out.view(self.shape).cpu().tolist()
-        return self.rows
+            self.full = self.out.view(self.shape).cpu().numpy()
+        return self.full
 
 
 def all_gather_row(ctx: DistContext, row: Sequence[float], group=None) -> list[list[float]]:

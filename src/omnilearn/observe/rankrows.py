@@ -62,14 +62,13 @@ class RankRows:
         """This rank's rows of one window: written (one flush) and added to the sums."""
         start = time.perf_counter()
         log = self._file()
-        for row in rows:
-            step, batch, compute_s, wait_s = int(row[0]), int(row[1]), float(row[2]), float(row[3])
-            if log is not None:
-                rec = dict(zip(ROW_NAMES, (step, batch, compute_s, wait_s, *(float(v) for v in row[4:]))))
-                log.write({"event": "step", "epoch": step // self.steps_per_epoch, "rank": self.rank, **rec})
-            self.stats.add((batch, compute_s, wait_s))
         if log is not None:
+            for row in rows:
+                step, batch = int(row[0]), int(row[1])
+                rec = dict(zip(ROW_NAMES, (step, batch, *(float(v) for v in row[2:]))))
+                log.write({"event": "step", "epoch": step // self.steps_per_epoch, "rank": self.rank, **rec})
             log.flush()
+        self.stats.extend([row[1:4] for row in rows])  # batch, compute_s, wait_s
         self.add_s += time.perf_counter() - start
 
     def resume(self, step: int) -> None:

@@ -52,12 +52,28 @@ class SuffixStats:
         self.open_records.append([float(v) for v in values])
         self.count += 1
         if len(self.open_records) == self.chunk:
-            block = np.asarray(self.open_records, dtype=np.float64)
-            if self.spool is None:
-                self.spool = tempfile.TemporaryFile(prefix="omnilearn-spool-")
-            self.spool.write(block.tobytes())
-            self.chunk_aggregates.append(self.aggregate(block))
-            self.open_records = []
+            self._spool_chunk()
+
+    def extend(self, records: Sequence[Sequence[float]]) -> None:
+        """Several records, as :meth:`add` each (one conversion for all: a window's rows at once)."""
+        block = np.asarray(records, dtype=np.float64)
+        if block.size == 0:
+            return
+        if block.ndim != 2 or block.shape[1] != self.width:
+            raise ValueError(f"records of {self.width} values each, got an array of shape {block.shape}")
+        self.open_records += block.tolist()
+        self.count += len(block)
+        while len(self.open_records) >= self.chunk:
+            self._spool_chunk()
+
+    def _spool_chunk(self) -> None:
+        """The open chunk's first ``chunk`` records to the spool, their aggregate kept."""
+        block = np.asarray(self.open_records[: self.chunk], dtype=np.float64)
+        if self.spool is None:
+            self.spool = tempfile.TemporaryFile(prefix="omnilearn-spool-")
+        self.spool.write(block.tobytes())
+        self.chunk_aggregates.append(self.aggregate(block))
+        self.open_records = self.open_records[self.chunk :]
 
     def aggregate(self, block: np.ndarray) -> np.ndarray:
         """Per column: the sum, or the maximum, of ``block``'s rows (zeros / -inf for no rows)."""
