@@ -65,6 +65,26 @@ def test_suffix_stats_equal_brute_force_for_any_suffix(records, chunk, first):
     stats.close()
 
 
+@settings(max_examples=100, deadline=None)
+@given(records=st.lists(st.tuples(st.floats(-1e3, 1e3), st.floats(-1e3, 1e3)), min_size=1, max_size=60),
+       chunk=st.integers(1, 9), cuts=st.lists(st.integers(0, 60), max_size=5))
+def test_suffix_stats_extend_in_any_pieces_equals_adding_one_at_a_time(records, chunk, cuts):
+    one, many = SuffixStats(("sum", "max"), chunk=chunk), SuffixStats(("sum", "max"), chunk=chunk)
+    for r in records:
+        one.add(r)
+    bounds = [0, *sorted(min(c, len(records)) for c in cuts), len(records)]
+    for a, b in zip(bounds, bounds[1:]):
+        many.extend(records[a:b])  # a window's rows at once (the session's RankRows.add); empty pieces too
+    assert many.count == one.count and len(many.chunk_aggregates) == len(one.chunk_aggregates)
+    for first in range(len(records) + 1):
+        assert many.since(first) == one.since(first)
+    assert [many.record(i) for i in range(len(records))] == [one.record(i) for i in range(len(records))]
+    with pytest.raises(ValueError, match="2 values each"):
+        many.extend([[1.0, 2.0, 3.0]])
+    one.close()
+    many.close()
+
+
 def test_suffix_stats_reject_bad_records():
     with pytest.raises(ValueError, match="ops"):
         SuffixStats(("mean",))
