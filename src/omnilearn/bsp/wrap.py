@@ -33,7 +33,7 @@ way exact and compiled twice at most while the batches move (docs/compile.md).
 Every call order: a wrapped model wrapped again in another DDP (``model =
 accelerator.prepare(model)`` after ``ol.wrap_model``, in a process group) would
 have its weighted gradients averaged a second time by the outer DDP: its first
-forward raises :class:`~omnilearn.config.ConfigError` (:func:`outer_ddp`). So
+forward raises :class:`~omnilearn.config.ConfigError` (:meth:`BalancedDDP.forward`). So
 does one sharded after ``ol.wrap_model`` (``fully_shard(model)`` after it: FSDP
 would reduce by its own unweighted average, its waits unmeasured); every
 forward looks for an outer DDP and at the two types (``fully_shard`` changes a
@@ -78,9 +78,10 @@ class BalancedDDP(DDP):
         if "reducer" not in own:  # released: no group left to sync with
             return self.module(*inputs, **kwargs)
         # Refuse what was done to the model after ``ol.wrap_model`` (module docstring), inline (every forward): an
-        # outer DDP (:func:`outer_ddp`), and whether this model's or its module's type changed since the last full
-        # look (``fully_shard`` changes a module's class in place); the first forward and after such a change, every
-        # module and parameter.
+        # outer DDP (DDP marks itself active during its module's forward: ``_get_active_ddp_module``, private, for
+        # torch.compile; tests/unit/test_torch_private_names.py holds it to that), and whether this model's or its
+        # module's type changed since the last full look (``fully_shard`` changes a module's class in place); the
+        # first forward and after such a change, every module and parameter.
         active = DDP._get_active_ddp_module()
         if active is not None and active is not self:
             _refuse_outer(active)
@@ -118,15 +119,6 @@ def _refuse_outer(outer: DDP) -> None:
                       "(accelerator.prepare(model) after ol.wrap_model?), which would average its weighted "
                       "gradients a second time: keep ol.wrap_model's model and prepare only the optimizer "
                       "(optimizer = accelerator.prepare(optimizer))")
-
-
-def outer_ddp(model: DDP) -> DDP | None:
-    """The other DDP whose forward is running ``model``'s (it wrapped ``model`` again), or None.
-
-    DDP marks itself active during its module's forward (``DistributedDataParallel._get_active_ddp_module``,
-    private, for torch.compile; tests/unit/test_torch_private_names.py holds it to that)."""
-    active = DDP._get_active_ddp_module()
-    return active if active is not None and active is not model else None
 
 
 # DDP keywords that change how gradients are reduced, outside what the weighting and the step's marks assume.
