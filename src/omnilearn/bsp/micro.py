@@ -72,7 +72,6 @@ class MicroSteps:
         self.model: nn.Module | None = None
         self.reduced = False  # whether the model's reduction applies hook.weight (DDP, or FSDP2 on several ranks)
         self.mean_over = 0  # DDP's rank count: its C++ mean divides by it, the loss is scaled by n b_i / B (0: not DDP)
-        self.batch, self.planned = -1, ()
         self.begin(global_batch)
 
     def use_model(self, model: nn.Module, grouped: bool, world_size: int) -> None:
@@ -85,8 +84,7 @@ class MicroSteps:
 
     def begin(self, batch: int) -> None:
         """A step with this worker's share ``batch`` starts (as the loader's ``accumulation_steps`` micro-batches)."""
-        if batch != self.batch or self.steps != 1:  # the same share as the last step keeps its one micro-batch
-            self.batch, self.planned = batch, micro_sizes(batch, self.steps)
+        self.batch, self.planned = batch, micro_sizes(batch, self.steps)
         self.split(self.planned)
 
     def split(self, sizes: tuple[int, ...]) -> None:

@@ -230,8 +230,8 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         """``step``'s clock is about to start: its speed emulation, weight and micro-batches."""
         self.clock.start()
         speeds = self.run.speeds.at(step)
-        if speeds is not self.emulation.applied and self.emulation.at_step(speeds) and self.telemetry is not None:
-            self.telemetry.speeds(step, speeds)  # (the same tuple while the speeds hold: no call)
+        if self.emulation.at_step(speeds) and self.telemetry is not None:
+            self.telemetry.speeds(step, speeds)
         self.micro.begin(self.schedule.at(step)[self.rank])
         if self.probe is not None:
             self.probe.begin()
@@ -274,8 +274,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         step = self.ledger.report(batch, float("nan") if logged is None else logged, float("nan") if lr is None else lr)
         self.sampler.complete(step)
         self.steps_done, self.next_step = self.steps_done + 1, step + 1
-        if self.meeting is not None:
-            self._read_meeting()  # the previous step's meeting (its collective is done by now)
+        self._read_meeting()  # the previous step's meeting, if it had one (its collective is done by now)
         size = self.ledger.window_size()
         if size >= self.window_steps or step + 1 == self.run.total_steps:
             self._end_interval(step)

@@ -48,18 +48,14 @@ class StepLedger:
 
     def handed_out(self, step: int, restart: bool) -> None:
         """The loader hands out ``step`` (``restart``: the first of a new iteration after an abandoned one)."""
-        queue = self.queue
         if restart:
-            queue.clear()
+            self.queue.clear()
             self.open = None
-        if len(queue) > FETCH_AHEAD_LIMIT:
-            raise RuntimeError(f"steps {list(queue)} were handed out but never reported: call ol.step() once per "
+        if len(self.queue) > FETCH_AHEAD_LIMIT:
+            raise RuntimeError(f"steps {list(self.queue)} were handed out but never reported: call ol.step() once per "
                                f"batch, after optimizer.step() (a loop may fetch at most {FETCH_AHEAD_LIMIT} ahead)")
-        queue.append(step)
-        if self.open is None:  # :meth:`start_next` (every step: no call for it)
-            self.open = self.last_started = queue[0]
-            self.on_start(self.open)
-            self.timer.begin()
+        self.queue.append(step)
+        self.start_next()
 
     def start_next(self) -> None:
         """Start the clock of the oldest queued step, if none is open."""

@@ -90,7 +90,8 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def complete(self, step: int) -> None:
         """Step ``step`` was trained: the next iteration starts after it (never moves back)."""
-        epoch, offset = divmod(step + 1, (self.plan or self._plan()).steps_per_epoch)
+        spe = self._plan().steps_per_epoch
+        epoch, offset = divmod(step + 1, spe)
         if (epoch, offset) > (self.epoch, self.offset):
             self.epoch, self.offset = epoch, offset
 
@@ -111,20 +112,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         return self._indices(self._plan(), self.steps(), self._plan().permutation(self.epoch))
 
     def _indices(self, plan: GlobalPlan, steps: range, perm: np.ndarray) -> Iterator[list[int]]:
-        at, rank = self.schedule.at, self.rank
-        kind = type(plan)  # a plan that slices the permutation as GlobalPlan does: read in place, no call per step
-        plain = kind.step_indices is GlobalPlan.step_indices and kind.worker_indices is GlobalPlan.worker_indices
-        last = span = None
-        spe, global_batch = plan.steps_per_epoch, plan.global_batch
         for step in steps:
-            batches = at(step)
-            if not plain:
-                indices = plan.worker_indices(step, batches, rank, perm)
-            else:
-                if batches is not last:  # the schedule hands out the same tuple while a plan holds
-                    last, span = batches, plan.worker_span(batches, rank)
-                first = (step % spe) * global_batch
-                indices = perm[first + span[0] : first + span[1]].tolist()
+            indices = plan.worker_indices(step, self.schedule.at(step), self.rank, perm)
             if self.micro_steps == 1:  # the list itself: no copy per step
                 yield indices
                 continue

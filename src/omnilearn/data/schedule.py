@@ -66,17 +66,12 @@ class GlobalPlan:
         perm = self.permutation(epoch) if perm is None else perm
         return perm[s * self.global_batch : (s + 1) * self.global_batch]
 
-    def worker_span(self, batches: Sequence[int], rank: int) -> tuple[int, int]:
-        """Where worker ``rank``'s slice of a step's ``B`` indices starts and ends under ``batches``."""
+    def worker_indices(self, step: int, batches: Sequence[int], rank: int, perm: np.ndarray | None = None) -> list[int]:
+        """The contiguous slice of step ``step`` that worker ``rank`` trains on."""
         if sum(batches) != self.global_batch:
             raise ValueError(f"batches {list(batches)} do not sum to the global batch {self.global_batch}")
         start = sum(batches[:rank])
-        return start, start + batches[rank]
-
-    def worker_indices(self, step: int, batches: Sequence[int], rank: int, perm: np.ndarray | None = None) -> list[int]:
-        """The contiguous slice of step ``step`` that worker ``rank`` trains on."""
-        start, end = self.worker_span(batches, rank)
-        return self.step_indices(step, perm)[start:end].tolist()
+        return self.step_indices(step, perm)[start : start + batches[rank]].tolist()
 
 
 class BatchSchedule:
