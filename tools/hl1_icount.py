@@ -9,7 +9,7 @@ step by difference (start-up cancels); OmniLearn's are taken twice: with ``--con
 step is ~50x slower, so windows are not stretched and the checks run: the meetings weigh far more than in a real
 run) and with no window end at all (``--control-interval 100000``: the quiet step alone).
 
-    python tools/hl1_icount.py [--src OTHER/src]   # about 15 minutes on 2 cores; run it alone
+    python tools/hl1_icount.py [--src OTHER/src]   # about 17 minutes on 2 cores; run it alone
 
 ``--src``: import ``omnilearn`` from another tree (a ``git worktree`` of an older commit) to compare two versions.
 """
@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--control-interval", type=int, default=15, help="OmniLearn's steps per control interval")
     ap.add_argument("--src", help="import omnilearn from this src directory instead of the installed one")
     args = ap.parse_args()
+    if args.short < 1:
+        ap.error(f"--short {args.short} must be at least 1 step")
     if args.steps <= args.short:
         ap.error(f"--steps {args.steps} must be above --short {args.short}")
     with tempfile.TemporaryDirectory() as tmp:
