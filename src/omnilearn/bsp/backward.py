@@ -145,7 +145,7 @@ class BackwardMarks:
     def on_output(self, out) -> None:
         """A syncing forward's output (grad enabled): hook the gradients flowing into it (not needed at equal
         shares once the last-ready parameter is learned: its hook queues the end-of-graph callback then)."""
-        leaves = _grad_leaves(out)
+        leaves = ([out] if out.requires_grad else []) if type(out) is torch.Tensor else _grad_leaves(out)
         state = self.state
         if not leaves:
             state.unhooked = type(out).__name__
@@ -174,8 +174,9 @@ class BackwardMarks:
         return grad if scale == 1.0 else grad * scale  # 1.0: equal shares, DDP's mean is the weighted sum
 
     def _last_grad(self, _param) -> None:
-        if self.armed:
-            self._ready()
+        if self.armed:  # :meth:`_ready`, inline (every step)
+            self.armed = False
+            _call(self.state._on_ready)
             if not self.queued:  # no output hook this step: the end-of-graph callback from here (before DDP's)
                 self.queued = True
                 Variable._execution_engine.queue_callback(self._end_of_graph)

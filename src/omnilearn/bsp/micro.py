@@ -72,6 +72,7 @@ class MicroSteps:
         self.model: nn.Module | None = None
         self.reduced = False  # whether the model's reduction applies hook.weight (DDP, or FSDP2 on several ranks)
         self.mean_over = 0  # DDP's rank count: its C++ mean divides by it, the loss is scaled by n b_i / B (0: not DDP)
+        self.batch = 0  # the open step's share (none yet)
         self.begin(global_batch)
 
     def use_model(self, model: nn.Module, grouped: bool, world_size: int) -> None:
@@ -84,7 +85,8 @@ class MicroSteps:
 
     def begin(self, batch: int) -> None:
         """A step with this worker's share ``batch`` starts (as the loader's ``accumulation_steps`` micro-batches)."""
-        self.batch, self.planned = batch, micro_sizes(batch, self.steps)
+        if batch != self.batch or self.steps != 1:  # else the plan is (batch,) already
+            self.batch, self.planned = batch, micro_sizes(batch, self.steps)
         self.split(self.planned)
 
     def split(self, sizes: tuple[int, ...]) -> None:
@@ -100,7 +102,9 @@ class MicroSteps:
         hook.output_scale = self.mean_over * hook.weight if self.mean_over else None
         hook.weighted = not self.mean_over  # DDP: the output hook or ol.backward weights it
         hook.unhooked = None
-        self._sync_next_forward(len(self.sizes) == 1)
+        sync = len(sizes) == 1
+        if not self.mean_over or self.model.require_backward_grad_sync is not sync:  # DDP in sync: nothing to set
+            self._sync_next_forward(sync)
 
     def syncing(self) -> bool:
         """Whether the next (or current) backward reduces the gradients (DDP or FSDP2, the step's last micro-batch)."""

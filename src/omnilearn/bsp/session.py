@@ -83,6 +83,7 @@ Run: ``python -m pytest -q tests/dist/test_api.py tests/unit/test_session_state.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -228,11 +229,14 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
 
     def _start_step(self, step: int) -> None:
         """``step``'s clock is about to start: its speed emulation, weight and micro-batches."""
-        self.clock.start()
-        speeds = self.run.speeds.at(step)
-        if self.emulation.at_step(speeds) and self.telemetry is not None:
-            self.telemetry.speeds(step, speeds)
-        self.micro.begin(self.schedule.at(step)[self.rank])
+        if self.clock.start_s is None:
+            self.clock.start()
+        speeds = self.run.speeds
+        if len(speeds.starts) > 1 or speeds.speeds[0] is not self.emulation.applied:  # constant: applied once
+            speeds = speeds.at(step)
+            if self.emulation.at_step(speeds) and self.telemetry is not None:
+                self.telemetry.speeds(step, speeds)
+        self.micro.begin(self.schedule.at(step)[self.ctx.rank])
         if self.probe is not None:
             self.probe.begin()
 
@@ -269,13 +273,14 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
             raise ConfigError(f"the model's output ({self.hook.unhooked}) holds no tensor that needs a gradient, so "
                               "OmniLearn cannot weight loss.backward() through it: call ol.backward(loss) instead")
         if logged is None and loss is not None:
-            logged = loss.detach() if torch.is_tensor(loss) else float(loss)
-        batch = self.micro.batch  # the open step's share, set when it started
-        step = self.ledger.report(batch, float("nan") if logged is None else logged, float("nan") if lr is None else lr)
+            logged = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        ledger = self.ledger
+        step = ledger.report(self.micro.batch, math.nan if logged is None else logged, math.nan if lr is None else lr)
         self.sampler.complete(step)
         self.steps_done, self.next_step = self.steps_done + 1, step + 1
-        self._read_meeting()  # the previous step's meeting, if it had one (its collective is done by now)
-        size = self.ledger.window_size()
+        if self.meeting is not None:
+            self._read_meeting()  # the previous step's meeting (its collective is done by now)
+        size = len(ledger.resolved) + len(ledger.pending)  # ledger.window_size(), inline: every step
         if size >= self.window_steps or step + 1 == self.run.total_steps:
             self._end_interval(step)
         elif self.check_every and self.checks_on and size % self.check_every == 0:
@@ -285,7 +290,8 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
             if self.probe.done:
                 self.probe = None
         self.clock.step_ended()
-        self.ledger.start_next()
+        if ledger.queue:  # a step fetched ahead: its clock starts now
+            ledger.start_next()
 
     def paused(self) -> ContextManager[None]:
         """``with ol.paused():`` time inside (evaluation, checkpoints) is left out of the training time."""

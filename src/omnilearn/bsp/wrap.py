@@ -74,9 +74,13 @@ class BalancedDDP(DDP):
     """DDP whose ``no_sync()`` explains what to use instead, and whose forward after :func:`release` is the module's."""
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if "reducer" not in self.__dict__:  # released: no group left to sync with
+        own = self.__dict__
+        if "reducer" not in own:  # released: no group left to sync with
             return self.module(*inputs, **kwargs)
-        self._check_order()
+        active, seen = DDP._get_active_ddp_module(), own.get("types_checked")  # what _check_order reads, inline:
+        if (active is not None and active is not self) or seen is None or type(self) is not seen[0] \
+                or type(seen[1]) is not seen[2]:  # every forward (two calls fewer on the usual path)
+            self._check_order()
         out = super().forward(*inputs, **kwargs)
         if self.require_backward_grad_sync and torch.is_grad_enabled():
             marks = self.__dict__.get("marks")

@@ -71,12 +71,14 @@ class StepTimer(HostClock):
     def begin(self) -> None:
         """The step's batch was handed out: its clock starts."""
         with self._lock:
-            self.start()
+            self.start_s = time.perf_counter()  # :meth:`start`, inline (every step)
+            self.start_cpu_s = time.process_time() if self.cpu_clock else 0.0
+            self.delay_s = self.blocked_s = self.blocked_cpu_s = 0.0
             self.ready_s = self.reduced_s = 0.0
-            if self.cuda:
+            if self.cuda:  # the host clocks need no per-step objects
                 self._stream = torch.cuda.current_stream(self.device)
-            self._events = {"start": self._event(self._stream)} if self.cuda else {}
-            self._stalls: list[tuple] = []
+                self._events = {"start": self._event(self._stream)}
+                self._stalls = []
             self.open = True
 
     def native_compute_s(self) -> float:

@@ -53,13 +53,14 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.micro_steps = micro_steps
         self.epoch, self.offset = 0, 0  # where the next __iter__ starts
         self.expected: dict | None = None  # a loaded checkpoint's data basis, until the plan is known
+        self.spe: int | None = None  # the plan's steps per epoch, once read
 
     def use_plan(self, plan: GlobalPlan) -> None:
         """Read the data by ``plan`` (:class:`ConfigError` if a loaded place means other samples under it)."""
         problem = mismatch(self.expected, basis(plan))
         if problem is not None:
             raise ConfigError(problem)
-        self.plan, self.expected = plan, None
+        self.plan, self.expected, self.spe = plan, None, None
 
     def basis(self) -> dict | None:
         """What the place means (:func:`omnilearn.data.position.basis`); None before the dataset is known."""
@@ -89,9 +90,11 @@ class VariableBatchSampler(Sampler[list[int]]):
             self.epoch, self.offset = epoch, 0
 
     def complete(self, step: int) -> None:
-        """Step ``step`` was trained: the next iteration starts after it (never moves back)."""
-        spe = self._plan().steps_per_epoch
-        epoch, offset = divmod(step + 1, spe)
+        """Step ``step`` was trained: the next iteration starts after it (never moves back). Every step: the
+        steps per epoch are read once per plan (:meth:`use_plan`)."""
+        if self.spe is None:
+            self.spe = self._plan().steps_per_epoch
+        epoch, offset = divmod(step + 1, self.spe)
         if (epoch, offset) > (self.epoch, self.offset):
             self.epoch, self.offset = epoch, offset
 
@@ -112,8 +115,20 @@ class VariableBatchSampler(Sampler[list[int]]):
         return self._indices(self._plan(), self.steps(), self._plan().permutation(self.epoch))
 
     def _indices(self, plan: GlobalPlan, steps: range, perm: np.ndarray) -> Iterator[list[int]]:
+        plain = type(plan).worker_indices is GlobalPlan.worker_indices and type(plan).step_indices is \
+            GlobalPlan.step_indices and perm is not None
+        at, rank, spe, batch = self.schedule.at, self.rank, plan.steps_per_epoch, plan.global_batch
+        batches, mine = None, 0
         for step in steps:
-            indices = plan.worker_indices(step, self.schedule.at(step), self.rank, perm)
+            if plain:  # plan.worker_indices inline (every step): the slice's start is worked out once per plan
+                plan_now = at(step)
+                if plan_now is not batches:
+                    plan.worker_indices(step, plan_now, rank, perm)  # checks the plan
+                    batches, mine = plan_now, sum(plan_now[:rank])
+                first = step % spe * batch + mine
+                indices = perm[first : first + batches[rank]].tolist()
+            else:
+                indices = plan.worker_indices(step, at(step), rank, perm)
             if self.micro_steps == 1:  # the list itself: no copy per step
                 yield indices
                 continue
