@@ -5,8 +5,9 @@ of calls it makes does not. Two ranks train the tiny MLP on the default job's da
 ``tools/hl1_breakdown.py`` (plain DDP with a ``DataLoader`` over a ``DistributedSampler``, and
 ``ol.data_loader`` / ``ol.wrap_model`` / ``ol.step``; its timing laps left out) and count every call a step
 makes (``sys.setprofile``: Python functions and C builtins alike) over ``STEPS`` steps of each, with no window
-end (a control interval longer than the run). OmniLearn's extra calls per step must stay within ``BUDGET``: a change that adds work to
-every step (a clock read, a lookup through another layer, a per-step allocation helper) fails here, on any host.
+end (a control interval longer than the run). OmniLearn's extra calls per step must stay within ``BUDGET``: a
+change that adds work to every step (a clock read, a lookup through another layer, a per-step allocation
+helper) fails here, on any host.
 
 Run: ``python -m pytest -q tests/dist/test_hot_path.py``
 """
