@@ -7,7 +7,8 @@ of calls it makes does not. Two ranks train the tiny MLP on the default job's da
 makes (``sys.setprofile``: Python functions and C builtins alike) over ``STEPS`` steps of each, with no window
 end (a control interval longer than the run). OmniLearn's extra calls per step must stay within ``BUDGET``: a
 change that adds work to every step (a clock read, a lookup through another layer, a per-step allocation
-helper) fails here, on any host.
+helper) fails here, on any host. ``tests/unit/test_step_cost.py`` counts ``ol.step()`` and the loader's
+hand-out alone, in one process; this counts the whole step, DDP's forward and backward (the marks) included.
 
 Run: ``python -m pytest -q tests/dist/test_hot_path.py``
 """
