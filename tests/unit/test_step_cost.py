@@ -24,7 +24,7 @@ from torch import nn
 import omnilearn
 
 STEP_BUDGET = 24  # Python and C calls of a quiet step's ol.step(): 21 on 2026-11-28 (27 the day before, 37 before issue 33)
-FETCH_BUDGET = 0  # calls the hand-out adds to a plain DataLoader's next(): -8 on 2026-11-28 (15 the day before, 28 before
+FETCH_BUDGET = 0  # calls the hand-out adds to a plain DataLoader's next(): -6 on 2026-11-28 (15 the day before, 28 before
 # issue 33): OmniLearn's sampler hands out a step's slice in fewer calls than a RandomSampler's BatchSampler
 
 

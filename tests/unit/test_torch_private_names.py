@@ -63,7 +63,7 @@ def params(fn) -> list[str]:
 
 
 def test_ddp_get_active_ddp_module_is_the_ddp_whose_forward_runs(ddp):
-    """bsp/wrap.py's outer_ddp: which DDP's forward is running (None outside any)."""
+    """bsp/wrap.py's BalancedDDP.forward: which DDP's forward is running (None outside any)."""
     seen = []
 
     class Probe(nn.Module):

@@ -174,9 +174,8 @@ class BackwardMarks:
         return grad if scale == 1.0 else grad * scale  # 1.0: equal shares, DDP's mean is the weighted sum
 
     def _last_grad(self, _param) -> None:
-        if self.armed:  # :meth:`_ready`, inline (every step)
-            self.armed = False
-            _call(self.state._on_ready)
+        if self.armed:
+            self._ready()
             if not self.queued:  # no output hook this step: the end-of-graph callback from here (before DDP's)
                 self.queued = True
                 Variable._execution_engine.queue_callback(self._end_of_graph)

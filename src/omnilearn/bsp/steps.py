@@ -55,10 +55,7 @@ class StepLedger:
             raise RuntimeError(f"steps {list(self.queue)} were handed out but never reported: call ol.step() once per "
                                f"batch, after optimizer.step() (a loop may fetch at most {FETCH_AHEAD_LIMIT} ahead)")
         self.queue.append(step)
-        if self.open is None:  # :meth:`start_next`, inline (every step)
-            self.open = self.last_started = self.queue[0]
-            self.on_start(self.open)
-            self.timer.begin()
+        self.start_next()
 
     def start_next(self) -> None:
         """Start the clock of the oldest queued step, if none is open."""

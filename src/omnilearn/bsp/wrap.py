@@ -33,7 +33,7 @@ way exact and compiled twice at most while the batches move (docs/compile.md).
 Every call order: a wrapped model wrapped again in another DDP (``model =
 accelerator.prepare(model)`` after ``ol.wrap_model``, in a process group) would
 have its weighted gradients averaged a second time by the outer DDP: its first
-forward raises :class:`~omnilearn.config.ConfigError` (:func:`outer_ddp`). So
+forward raises :class:`~omnilearn.config.ConfigError` (:meth:`BalancedDDP.forward`). So
 does one sharded after ``ol.wrap_model`` (``fully_shard(model)`` after it: FSDP
 would reduce by its own unweighted average, its waits unmeasured); every
 forward looks for an outer DDP and at the two types (``fully_shard`` changes a
@@ -77,30 +77,24 @@ class BalancedDDP(DDP):
         own = self.__dict__
         if "reducer" not in own:  # released: no group left to sync with
             return self.module(*inputs, **kwargs)
-        active, seen = DDP._get_active_ddp_module(), own.get("types_checked")  # what _check_order reads, inline:
-        if (active is not None and active is not self) or seen is None or type(self) is not seen[0] \
-                or type(seen[1]) is not seen[2]:  # every forward (two calls fewer on the usual path)
-            self._check_order()
-        out = super().forward(*inputs, **kwargs)
-        if self.require_backward_grad_sync and torch.is_grad_enabled():
-            marks = self.__dict__.get("marks")
-            if marks is not None:
-                marks.on_output(out)
-        return out
-
-    def _check_order(self) -> None:
-        """Refuse what was done to the model after ``ol.wrap_model`` (module docstring). Every forward: an outer
-        DDP, and whether this model's or its module's type changed since the last full look (``fully_shard``
-        changes a module's class in place); the first forward and after such a change, every module and parameter."""
-        outer = outer_ddp(self)
-        if outer is not None:
-            raise ConfigError(f"the model ol.wrap_model() returned was wrapped again in {type(outer).__name__} "
+        # What was done to the model after ``ol.wrap_model`` (module docstring), looked at every forward: an outer
+        # DDP (DDP marks itself active during its module's forward: ``_get_active_ddp_module``, private, for
+        # torch.compile; tests/unit/test_torch_private_names.py holds it to that), and whether this model's or its
+        # module's type changed since the last full look (``fully_shard`` changes a class in place).
+        active, seen = DDP._get_active_ddp_module(), own.get("types_checked")  # seen: (its type, module, module's type)
+        if active is not None and active is not self:
+            raise ConfigError(f"the model ol.wrap_model() returned was wrapped again in {type(active).__name__} "
                               "(accelerator.prepare(model) after ol.wrap_model?), which would average its weighted "
                               "gradients a second time: keep ol.wrap_model's model and prepare only the optimizer "
                               "(optimizer = accelerator.prepare(optimizer))")
-        seen = self.__dict__.get("types_checked")  # (this model's type, its module, the module's type)
         if seen is None or type(self) is not seen[0] or type(seen[1]) is not seen[2]:
             self._check_sharding(seen is None)
+        out = super().forward(*inputs, **kwargs)
+        if self.require_backward_grad_sync and torch.is_grad_enabled():
+            marks = own.get("marks")
+            if marks is not None:
+                marks.on_output(out)
+        return out
 
     def _check_sharding(self, first: bool) -> None:
         """Refuse a model sharded after ``ol.wrap_model``: the root (any forward), or any module or parameter inside
@@ -119,15 +113,6 @@ class BalancedDDP(DDP):
             "model.no_sync() is not supported on an OmniLearn model: the accumulated gradients would all be "
             "weighted by the last step's batch share. Set accumulation_steps=K in omnilearn.setup() (--accumulation-"
             "steps K), iterate the K micro-batches the loader hands out per step and call ol.backward(loss) for each")
-
-
-def outer_ddp(model: DDP) -> DDP | None:
-    """The other DDP whose forward is running ``model``'s (it wrapped ``model`` again), or None.
-
-    DDP marks itself active during its module's forward (``DistributedDataParallel._get_active_ddp_module``,
-    private, for torch.compile; tests/unit/test_torch_private_names.py holds it to that)."""
-    active = DDP._get_active_ddp_module()
-    return active if active is not None and active is not model else None
 
 
 # DDP keywords that change how gradients are reduced, outside what the weighting and the step's marks assume.

@@ -71,9 +71,7 @@ class StepTimer(HostClock):
     def begin(self) -> None:
         """The step's batch was handed out: its clock starts."""
         with self._lock:
-            self.start_s = time.perf_counter()  # :meth:`start`, inline (every step)
-            self.start_cpu_s = time.process_time() if self.cpu_clock else 0.0
-            self.delay_s = self.blocked_s = self.blocked_cpu_s = 0.0
+            self.start()
             self.ready_s = self.reduced_s = 0.0
             if self.cuda:  # the host clocks need no per-step objects
                 self._stream = torch.cuda.current_stream(self.device)
