@@ -8,9 +8,10 @@ the world's size the pair would end with 3/2 of its sum). Both routes: a
 plain ``loss.backward()`` (the hook on the output scales the gradient that
 flows into it) and the loss scaled by the caller (``output_scale=None``).
 No comm hook is registered (DDP's own C++ path), and the marks come once per
-step each: ready (on the parameter learned to be ready last, before DDP's
-finalisation) and reduced (after it), in that order, also on a second step
-after learning.
+step each: ready (on the parameter learned to be ready last) and reduced
+(after DDP's finalisation: every gradient is the reduced one there), in that
+order, also on a second step after learning, with the ready hook after DDP's
+(nothing sleeps) and before it (``delayed``: the emulator sleeps there).
 
 Run: ``python -m pytest -q tests/dist/test_hooks.py``
 """
@@ -47,8 +48,14 @@ def _worker(rank: int, store: str, out: str) -> None:
     dist.barrier()
     torch.manual_seed(0)
     marks: list[str] = []
-    state = HookState(on_ready=lambda: marks.append("ready"), on_reduced=lambda last: marks.append("reduced"))
     model = nn.Sequential(nn.Linear(4, 3).double(), nn.Linear(3, 2, bias=False).double())
+    at_reduced: list[list[torch.Tensor]] = []  # the gradients when the reduced mark comes
+
+    def reduced(last: bool) -> None:
+        marks.append("reduced")
+        at_reduced.append([p.grad.clone() for p in model.parameters()])
+
+    state = HookState(on_ready=lambda: marks.append("ready"), on_reduced=reduced)
     ddp = wrap(model, torch.device("cpu"), True, state, process_group=pair if rank < 2 else solo)
     n = ddp.process_group.size()
     grads = []
@@ -63,13 +70,16 @@ def _worker(rank: int, store: str, out: str) -> None:
             y.sum().backward()
         grads.append([p.grad.clone() for p in ddp.module.parameters()])
         marks.append("step")
-    ddp.zero_grad()  # equal shares: no output hook, the learned parameter's hook marks the step
-    state.output_scale = 1.0
-    ddp(inputs(rank)).sum().backward()
-    equal = [p.grad.clone() for p in ddp.module.parameters()]
-    marks.append("equal")
-    torch.save({"grads": grads, "marks": marks, "hooks": len(ddp._comm_hooks), "equal": equal},
-               f"{out}/rank{rank}.pt")
+    equal, early = [], []
+    for delayed in (False, True, False):  # equal shares: no output hook, the learned parameter's hook marks it
+        ddp.zero_grad()
+        state.output_scale, state.delayed = 1.0, delayed
+        ddp(inputs(rank)).sum().backward()
+        equal.append([p.grad.clone() for p in ddp.module.parameters()])
+        early.append(ddp.__dict__["marks"].early)
+        marks.append("equal")
+    torch.save({"grads": grads, "marks": marks, "hooks": len(ddp._comm_hooks), "equal": equal, "early": early,
+                "at_reduced": at_reduced}, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -96,10 +106,15 @@ def test_ddp_mean_of_scaled_gradients_is_the_weighted_sum_on_ddps_group(tmp_path
             for g, w in zip(step, want):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
         assert got[r]["hooks"] == 0  # DDP's own C++ path: no Python comm hook
-        assert got[r]["marks"] == ["ready", "reduced", "step"] * 3 + ["ready", "reduced", "equal"]
+        assert got[r]["marks"] == ["ready", "reduced", "step"] * 3 + ["ready", "reduced", "equal"] * 3
+        assert got[r]["early"] == [False, True, False]  # the ready hook after DDP's, before it, after it again
         mean = _expected([0, 1], plain_mean=True) if r < 2 else _expected([2], plain_mean=True)
-        for g, w in zip(got[r]["equal"], mean):
-            torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+        for step in got[r]["equal"]:
+            for g, w in zip(step, mean):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+        for at, step in zip(got[r]["at_reduced"], got[r]["grads"] + got[r]["equal"]):
+            for g, final in zip(at, step):  # reduced already when the mark came, on both routes
+                torch.testing.assert_close(g, final, rtol=0, atol=0)
     leaked = [g * 2 / 3 for g in pair]  # scaled by the world's size instead of the group's
     assert not torch.allclose(got[0]["grads"][0][0], leaked[0])
 

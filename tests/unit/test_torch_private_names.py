@@ -11,6 +11,7 @@ name                                                      used by
 ========================================================  ==========================================
 ``DistributedDataParallel._get_active_ddp_module()``      bsp/wrap.py (a DDP wrapped in another)
 ``Variable._execution_engine.queue_callback``             bsp/backward.py (the ready and reduced marks)
+DDP's hooks on the parameters' ``AccumulateGrad`` nodes    bsp/backward.py (the ready mark after DDP's hook)
 ``torch.utils._pytree.tree_leaves``                       bsp/backward.py (the output's tensors)
 ``torch._foreach_mul_``                                   bsp/micro.py (token counts: accumulated gradients)
 ``OptimizedModule._orig_mod``                             bsp/session.py (``ol.module`` of a compiled model)
@@ -97,6 +98,31 @@ def test_engine_queue_callback_runs_after_the_graph_in_order_and_chains(ddp):
         lambda p: Variable._execution_engine.queue_callback(lambda: order.append("queued later")))
     out.sum().backward()
     assert order == ["first", "queued later", "chained"], f"the engine's final callbacks changed: {order}"
+
+
+def test_ddp_hooks_the_accumulate_grad_node_at_construction_so_a_later_node_hook_runs_after_it(ddp):
+    """bsp/backward.py: DDP's reducer hooks each parameter's ``AccumulateGrad`` node when it is built, so a post
+    hook registered on that node later runs after DDP's: the last bucket is launched and ``finalize_backward``
+    queued by then, and a callback queued there sees the reduced gradients (a comm hook doubles them here)."""
+    from torch.autograd import Variable
+    from torch.autograd.graph import get_gradient_edge
+
+    ddp.register_comm_hook(None, lambda _, bucket: _done(bucket.buffer() * 2))
+    seen: list[torch.Tensor] = []
+    node = get_gradient_edge(ddp.module.weight).node
+    node.register_hook(lambda *_: Variable._execution_engine.queue_callback(
+        lambda: seen.append(ddp.module.weight.grad.clone())) and None)
+    ddp(torch.ones(2, 3)).sum().backward()
+    local = torch.ones(2, 3) * 2  # d sum(x W^T) / dW for two rows of ones, before DDP's reduction
+    assert seen and torch.equal(seen[0], local * 2), (
+        "a post hook on a parameter's AccumulateGrad node registered after DDP no longer runs after DDP's: "
+        f"the gradient it saw was {seen[0].tolist() if seen else None}, not the reduced one")
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def test_ddp_holds_its_group_by_reducer_logger_and_process_group(ddp):

@@ -24,24 +24,32 @@ A model whose output holds no tensor that needs a gradient (a type that is
 not a pytree) cannot be weighted that way: ``ol.step()`` raises, naming
 ``ol.backward(loss)``.
 
-The compute/wait split and the delay emulator need the moment this rank's
-last gradient is ready, before DDP launches the last bucket's all-reduce
-(what the old per-bucket comm hook's last call saw). On the first syncing
-backward a hook on every parameter learns which one's gradient comes last;
-from then on one hook on that parameter (``register_post_accumulate_grad_hook``,
-which runs before DDP's own hook on the same parameter) calls ``on_ready``:
-the emulator sleeps there and the timer marks it. The output hook queues an
-engine callback for the end of the backward graph (a step whose learned
-parameter got no gradient marks ready there), and that callback queues
-another, which the autograd engine runs after DDP's ``finalize_backward``
-(queued in between, when the last bucket was launched): the reductions are
-done, or on CUDA the stream waits for them, and ``on_reduced`` marks it.
-Per step: one call per output tensor, one parameter hook, two engine
+The compute/wait split needs the moment this rank's last gradient is
+ready, and the delay emulator must sleep there, before DDP launches the last
+bucket's all-reduce. On the first syncing backward a hook on every parameter
+learns which one's gradient comes last; from then on one hook on that
+parameter calls ``on_ready``. Where the emulator may sleep (``HookState.delayed``)
+it is ``register_post_accumulate_grad_hook``, which runs before DDP's own hook
+on the same parameter; the output hook or that hook queues an engine callback
+for the end of the backward graph (a step whose learned parameter got no
+gradient marks ready there), and that callback queues another, which the
+autograd engine runs after DDP's ``finalize_backward`` (queued in between,
+when the last bucket was launched): the reductions are done, or on CUDA the
+stream waits for them, and ``on_reduced`` marks it. Where nothing sleeps
+(a real run) the hook is a post hook of the parameter's ``AccumulateGrad``
+node, registered after DDP's: it runs once DDP has launched the last bucket
+and queued ``finalize_backward``, marks ready (the launch is this rank's own
+work) and queues the reduced mark itself: two calls from the engine, of which
+only the reduced mark waits for the reductions, instead of three, two of them
+on the way of the last bucket. That needs the last gradient to come from the
+same parameter every step: a model with ``find_unused_parameters=True``
+(a graph that changes) keeps the first way.
+Per step: one call per output tensor, one parameter hook, one or two engine
 callbacks, and one multiplication of the output's gradient (none after
 ``ol.backward``). At equal shares (scale 1, nothing to balance) the outputs
-are not hooked at all once the last-ready parameter is learned: its hook
-queues the end-of-graph callback itself (and should it ever miss a step, a
-parameter the graph did not reach, the outputs are hooked from then on).
+are not hooked at all once the last-ready parameter is learned (and should
+its hook ever miss a step, a parameter the graph did not reach, the outputs
+are hooked from then on).
 
 Under ``torch.compile`` (docs/compile.md) the hooks are the same: the
 output hook goes on the compiled forward's output (registered by dynamo's
@@ -64,6 +72,7 @@ from typing import Any, Callable
 
 import torch
 from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_leaves
 
 
@@ -109,19 +118,24 @@ class HookState:
     (:mod:`omnilearn.bsp.sharded`). ``output_scale``: ``n b_i / B`` for DDP's mean (None while ``ol.backward``
     runs: the loss is scaled already). ``weighted``: this step's gradient got its weight; ``unhooked``: the type
     of a syncing forward's output that held no tensor to hook. ``on_ready()`` / ``on_reduced(last)``: the
-    marks (module docstring); bound methods are held weakly.
+    marks (module docstring); ``on_mark()``: the ready mark alone, where nothing sleeps (default: ``on_ready``);
+    bound methods are held weakly. ``delayed``: the delay emulator may sleep at the
+    ready mark (it must come before DDP launches the last bucket).
     """
 
     on_ready = _Callback()
+    on_mark = _Callback()
     on_reduced = _Callback()
 
     def __init__(self, process_group: Any = None, weight: Any = 1.0, on_ready: Callable[[], None] | None = None,
-                 on_reduced: Callable[[bool], None] | None = None) -> None:
+                 on_reduced: Callable[[bool], None] | None = None, on_mark: Callable[[], None] | None = None) -> None:
         self.process_group, self.weight = process_group, weight
         self.output_scale: float | None = None
         self.weighted = False
         self.unhooked: str | None = None
+        self.delayed = False
         self.on_ready, self.on_reduced = on_ready, on_reduced
+        self.on_mark = on_ready if on_mark is None else on_mark
 
 
 def _grad_leaves(out) -> list[torch.Tensor]:
@@ -133,11 +147,14 @@ def _grad_leaves(out) -> list[torch.Tensor]:
 class BackwardMarks:
     """Per step of a :class:`~omnilearn.bsp.wrap.BalancedDDP` model: the output scale, ready and reduced marks."""
 
-    def __init__(self, state: HookState, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, state: HookState, params: list[torch.nn.Parameter], static: bool = True) -> None:
         self.state = state
         self.params = [p for p in params if p.requires_grad]
         self.handles: list = []
         self.last: torch.nn.Parameter | None = None  # the parameter whose gradient is ready last (learned)
+        self.static = static  # the last gradient comes from the same parameter every step (module docstring)
+        self.early = True  # the learned parameter's hook runs before DDP's (else after, on its AccumulateGrad node)
+        self.node = None  # that node (held: the hook lives on it)
         self.order: list[int] | None = None  # while learning: parameters in the order their gradients came
         self.armed = self.queued = False  # a syncing forward ran; its end-of-graph callback is queued
         self.always = False  # hook the outputs even at scale 1 (the learned parameter once missed a step)
@@ -153,6 +170,8 @@ class BackwardMarks:
         if self.armed:  # the last syncing backward marked nothing: the learned parameter can miss a step
             self.always = True
         self.armed, self.queued = True, False
+        if self.last is not None and self.early is not (state.delayed or not self.static):
+            self._hook_last()  # the emulator started or stopped sleeping
         if state.output_scale == 1.0 and self.last is not None and not self.always:
             state.weighted = True  # equal shares: DDP's mean is the weighted sum as it is
             return
@@ -180,6 +199,14 @@ class BackwardMarks:
                 self.queued = True
                 Variable._execution_engine.queue_callback(self._end_of_graph)
 
+    def _last_grad_late(self, _grad_inputs, _grad_outputs) -> None:
+        if self.armed:
+            self.armed = False
+            _call(self.state._on_mark)  # nothing sleeps here (the hook is after DDP's)
+            if not self.queued:  # after DDP's hook: finalize_backward is queued, the reduced mark comes after it
+                self.queued = True
+                Variable._execution_engine.queue_callback(self._reduced)
+
     def _ready(self) -> None:
         self.armed = False
         _call(self.state._on_ready)
@@ -198,7 +225,19 @@ class BackwardMarks:
         self.handles = []
         if order:
             self.last = self.params[order[-1]]
-            self.handles = [self.last.register_post_accumulate_grad_hook(self._last_grad)]
+            self._hook_last()
+
+    def _hook_last(self) -> None:
+        """The learned parameter's hook: before DDP's where the emulator may sleep there (or the graph changes),
+        else after it (module docstring)."""
+        for handle in self.handles:
+            handle.remove()
+        self.early = self.state.delayed or not self.static
+        if self.early:
+            self.node, self.handles = None, [self.last.register_post_accumulate_grad_hook(self._last_grad)]
+        else:
+            self.node = get_gradient_edge(self.last).node  # DDP's reducer hooked this node at its construction
+            self.handles = [self.node.register_hook(self._last_grad_late)]
 
     def _reduced(self) -> None:
         _call(self.state._on_reduced, True)
@@ -207,4 +246,4 @@ class BackwardMarks:
         """Take the parameter hooks off (the model lets go of its group: :func:`omnilearn.bsp.wrap.release`)."""
         for handle in self.handles:
             handle.remove()
-        self.handles, self.order, self.armed = [], None, False
+        self.handles, self.order, self.armed, self.node = [], None, False, None

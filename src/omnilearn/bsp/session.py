@@ -133,7 +133,8 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         self.timer = StepTimer(ctx.device)
         self.emulation = Emulation(cfg, ctx, self.timer)
         self.emulator = self.emulation.delay
-        self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced)
+        self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced,
+                              on_mark=self.timer.mark_ready)
         self.loop = make_loop(cfg, ctx.world_size, total_steps)
         self.schedule = BatchSchedule(self.loop.batches)
         self.sampler = VariableBatchSampler(None, self.schedule, ctx.rank, total_steps, cfg.accumulation_steps)
@@ -236,6 +237,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
             speeds = speeds.at(step)
             if self.emulation.at_step(speeds) and self.telemetry is not None:
                 self.telemetry.speeds(step, speeds)
+            self.hook.delayed = self.emulator.slowdown > 1.0  # the ready mark before DDP's last bucket (backward.py)
         self.micro.begin(self.schedule.at(step)[self.ctx.rank])
         if self.probe is not None:
             self.probe.begin()

@@ -141,7 +141,8 @@ def wrap(model: nn.Module, device: torch.device, grouped: bool, hook: HookState,
     ids = [device] if device.type == "cuda" else None
     model = BalancedDDP(model, device_ids=ids, **{**NO_BUFFER_BROADCAST, **ddp_kwargs})
     hook.process_group = model.process_group
-    model.__dict__["marks"] = BackwardMarks(hook, list(model.module.parameters()))
+    params = list(model.module.parameters())
+    model.__dict__["marks"] = BackwardMarks(hook, params, static=not model.find_unused_parameters)
     _WRAPPED.add(model)
     group.before_destroy(release_wrapped)
     return model
