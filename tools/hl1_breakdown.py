@@ -16,8 +16,11 @@ moves from one part to another), and each block's wall time between two barriers
 It prints the parts in microseconds per step (mean over ranks, median over blocks; ``cpu``: the main thread's CPU
 time), each pair's ratio of wall times (OmniLearn / plain), their median, and the median extra microseconds per step. ``--profile N``: rank 0
 runs N more OmniLearn steps under cProfile and prints the N functions with the most own time (the profile of
-the hot path). With ``--device cuda`` (NCCL, one GPU per rank) each block ends with a device synchronisation
-and the parts are host times.
+the hot path). ``--window-cost N``: then N more OmniLearn steps with the window ends' two parts timed in the main
+thread's CPU (the meeting started at a window's last step, ``_end_interval``; read, decided and recorded at the
+next, ``_read_meeting``): per window end and per step (the median over blocks above mostly leaves them out: a
+window spans several blocks). With ``--device cuda`` (NCCL, one GPU per rank) each block ends with a device
+synchronisation and the parts are host times.
 
 A benchmark, not a test: run it alone on the machine (``OMP_NUM_THREADS=1``: one core per rank).
 
@@ -152,6 +155,39 @@ def profile(loop: Loop, steps: int, top: int) -> str:
     return out.getvalue()
 
 
+def window_cost(ol, loop: Loop, steps: int) -> str:
+    """``steps`` OmniLearn steps with the session's two window-end methods timed (main thread's CPU), on each rank;
+    rank 0's reading: microseconds per window end and per step."""
+    spent: dict[str, list[float]] = defaultdict(list)
+    session = type(ol)
+    originals = {name: getattr(session, name) for name in ("_end_interval", "_read_meeting")}
+
+    def timed(name, fn):
+        def run(self, *args):
+            cpu = time.thread_time()
+            try:
+                return fn(self, *args)
+            finally:
+                spent[name].append(time.thread_time() - cpu)
+        return run
+
+    for name, fn in originals.items():
+        setattr(session, name, timed(name, fn))
+    try:
+        parts = Parts()
+        for _ in range(steps):
+            loop.step(parts)
+    finally:
+        for name, fn in originals.items():
+            setattr(session, name, fn)
+    ends = len(spent["_end_interval"]) or 1
+    each = {name: sum(v) / ends * 1e6 for name, v in spent.items()}
+    total = sum(each.values())
+    return (f"window ends: {len(spent['_end_interval'])} in {steps} steps; main thread's CPU per window end "
+            + ", ".join(f"{name} {us:.0f} us" for name, us in each.items())
+            + f": {total:.0f} us, {total * len(spent['_end_interval']) / steps:.1f} us per step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=100, help="pairs of blocks (plain, OmniLearn), interleaved "
@@ -164,6 +200,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     ap.add_argument("--aa", action="store_true",
                     help="A/A control: the second loop is plain DDP too (the spread of the ratio with nothing to find)")
+    ap.add_argument("--window-cost", type=int, default=0, metavar="N",
+                    help="then N OmniLearn steps with the window ends timed: CPU per window end and per step")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="then N OmniLearn steps under cProfile on rank 0: the N functions with the most own time")
     args = ap.parse_args()
@@ -178,7 +216,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     splits = workload.load_data(cfg)
     plain = plain_loop(cfg, splits, device)
-    ol, omni = omni_loop(cfg, splits, (args.blocks + 1) * args.steps + args.profile + 10)
+    ol, omni = omni_loop(cfg, splits, (args.blocks + 1) * args.steps + args.profile + args.window_cost + 10)
     if args.aa:
         omni = plain_loop(cfg, splits, device)
     SECOND = "plain DDP'" if args.aa else "OmniLearn"  # noqa: N806  (the second loop's label)
@@ -194,6 +232,7 @@ def main() -> None:
             walls[name].append(wall / args.steps)
             for part in mine:
                 parts[name][part].append(statistics.fmean(r[part] for r in every) / args.steps)
+    windows = window_cost(ol, omni, args.window_cost) if args.window_cost and not args.aa else ""
     table = profile(omni, args.profile, args.profile) if args.profile else ""
     ol.release()
     if dist.get_rank() == 0:
@@ -215,6 +254,8 @@ def main() -> None:
         print(f"median ratio {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
               f"median extra {statistics.median(extra):+.0f} us per step (main thread's CPU: "
               f"{statistics.median(extra_cpu):+.0f} us, {statistics.median(extra_cpu) / statistics.median(cpu['plain DDP']) / 1e6:+.1%} of plain's)")
+        if windows:
+            print(windows)
         if table:
             print(table)
     dist.destroy_process_group()
