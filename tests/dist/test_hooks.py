@@ -11,12 +11,16 @@ No comm hook is registered (DDP's own C++ path), and the marks come once per
 step each: ready (on the parameter learned to be ready last) and reduced
 (after DDP's finalisation: every gradient is the reduced one there), in that
 order, also on a second step after learning, with the ready hook after DDP's
-(nothing sleeps) and before it (``delayed``: the emulator sleeps there).
+(nothing sleeps) and before it (``delayed``: the emulator sleeps there); and
+a session whose speeds change moves the hook with them, consulting the
+emulator at the ready mark on exactly the steps it slows the rank down.
 
 Run: ``python -m pytest -q tests/dist/test_hooks.py``
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from ranks import start_ranks
@@ -162,3 +166,49 @@ def test_an_output_the_hook_cannot_see_is_refused_naming_ol_backward(tmp_path):
     for r in range(2):
         said = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["said"]
         assert "(Box)" in said and "call ol.backward(loss)" in said, said
+
+
+def _switching_worker(rank: int, store: str, out: str) -> None:
+    import omnilearn
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    schedule = Path(out) / "speeds.toml"  # rank 0 fastest, then slowed, then fastest again
+    if rank == 0:
+        schedule.write_text('[[change]]\nat_step = 0\nspeeds = "2,1"\n[[change]]\nat_step = 3\nspeeds = "1,2"\n'
+                            '[[change]]\nat_step = 6\nspeeds = "2,1"\n')
+    dist.barrier()
+    ol = omnilearn.setup(global_batch=8, speed_schedule=str(schedule), control_interval=100, device="cpu",
+                         handle_signals=False, total_steps=9)
+    model = ol.wrap_model(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    slept: list[int] = []  # the emulator consulted at the ready mark, per step
+    before_sync = ol.emulator.before_sync
+    ol.emulator.before_sync = lambda: (slept.__setitem__(-1, slept[-1] + 1), before_sync())[1]
+    seen = []
+    for x in ol.data_loader([torch.ones(4) * i for i in range(72)]):
+        slept.append(0)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append((ol.emulator.slowdown > 1.0, model.__dict__["marks"].early))
+        ol.step()
+    torch.save({"seen": seen, "slept": slept}, f"{out}/rank{rank}.pt")
+    ol.release()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_ready_hook_goes_before_ddps_while_the_emulator_slows_the_rank_down(tmp_path):
+    """A session whose speeds change: on the steps where this rank's emulator sleeps, the ready mark's hook runs
+    before DDP's (the emulator is consulted there, once a step); where it does not, after DDP's."""
+    start_ranks(_switching_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        slowed = [s for s, _ in got["seen"]]
+        assert slowed == ([False] * 3 + [True] * 3 + [False] * 3 if rank == 0 else
+                          [True] * 3 + [False] * 3 + [True] * 3), got["seen"]
+        # from step 1 (the first learns the last-ready parameter: its ready mark comes at the graph's end)
+        for step, ((slow, early), slept) in list(enumerate(zip(got["seen"], got["slept"])))[1:]:
+            assert early == slow, f"rank {rank} step {step}: emulator sleeping {slow}, hook before DDP's {early}"
+            assert slept == (1 if slow else 0), f"rank {rank} step {step}: the emulator consulted {slept} times"
