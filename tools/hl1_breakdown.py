@@ -181,7 +181,7 @@ def window_cost(ol, loop: Loop, steps: int) -> str:
         for name, fn in originals.items():
             setattr(session, name, fn)
     ends = len(spent["_end_interval"]) or 1
-    each = {name: sum(v) / ends * 1e6 for name, v in spent.items()}
+    each = {name: sum(spent[name]) / ends * 1e6 for name in originals}
     total = sum(each.values())
     return (f"window ends: {len(spent['_end_interval'])} in {steps} steps; main thread's CPU per window end "
             + ", ".join(f"{name} {us:.0f} us" for name, us in each.items())
@@ -205,6 +205,11 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="then N OmniLearn steps under cProfile on rank 0: the N functions with the most own time")
     args = ap.parse_args()
+    for flag, value in (("--window-cost", args.window_cost), ("--profile", args.profile)):
+        if value < 0:
+            ap.error(f"{flag} {value}: give a number of steps, 0 or more")
+    if args.aa and args.window_cost:
+        ap.error("--window-cost times OmniLearn's window ends, and --aa runs no OmniLearn loop: drop one of them")
     if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         ap.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} GPUs here; use --device cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -232,7 +237,7 @@ def main() -> None:
             walls[name].append(wall / args.steps)
             for part in mine:
                 parts[name][part].append(statistics.fmean(r[part] for r in every) / args.steps)
-    windows = window_cost(ol, omni, args.window_cost) if args.window_cost and not args.aa else ""
+    windows = window_cost(ol, omni, args.window_cost) if args.window_cost else ""
     table = profile(omni, args.profile, args.profile) if args.profile else ""
     ol.release()
     if dist.get_rank() == 0:

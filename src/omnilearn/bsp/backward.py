@@ -201,15 +201,15 @@ class BackwardMarks:
 
     def _last_grad_late(self, _grad_inputs, _grad_outputs) -> None:
         if self.armed:
-            self.armed = False
-            _call(self.state._on_mark)  # nothing sleeps here (the hook is after DDP's)
+            self._ready(self.state._on_mark)  # nothing sleeps here (the hook is after DDP's)
             if not self.queued:  # after DDP's hook: finalize_backward is queued, the reduced mark comes after it
                 self.queued = True
                 Variable._execution_engine.queue_callback(self._reduced)
 
-    def _ready(self) -> None:
+    def _ready(self, mark: tuple | None = None) -> None:
+        """The ready mark, once a step: ``on_ready`` (the emulator, then the timer), or ``mark`` (a slot)."""
         self.armed = False
-        _call(self.state._on_ready)
+        _call(self.state._on_ready if mark is None else mark)
 
     def _end_of_graph(self) -> None:
         if self.order is not None:
