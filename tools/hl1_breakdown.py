@@ -14,7 +14,8 @@ moves from one part to another), and each block's wall time between two barriers
   ledger, and at window ends the meetings, the decision and the totals).
 
 It prints the parts in microseconds per step (mean over ranks, median over blocks; ``cpu``: the main thread's CPU
-time), each pair's ratio of wall times (OmniLearn / plain), their median, and the median extra microseconds per step. ``--profile N``: rank 0
+time), each pair's ratio of wall times (OmniLearn / plain), their median with its 95% interval (the pairs
+resampled: what this many pairs can resolve), and the median extra microseconds per step. ``--profile N``: rank 0
 runs N more OmniLearn steps under cProfile and prints the N functions with the most own time (the profile of
 the hot path). ``--window-cost N``: then N more OmniLearn steps with the window ends' two parts timed in the main
 thread's CPU (the meeting started at a window's last step, ``_end_interval``; read, decided and recorded at the
@@ -36,6 +37,7 @@ import cProfile
 import io
 import os
 import pstats
+import random
 import statistics
 import time
 from collections import defaultdict
@@ -155,6 +157,14 @@ def profile(loop: Loop, steps: int, top: int) -> str:
     return out.getvalue()
 
 
+def spread(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 95% interval of ``values``' median, by resampling them (the pairs) with replacement ``draws`` times: how
+    far the median itself may be off with this many pairs on this machine (an A/A run shows the same)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def window_cost(ol, loop: Loop, steps: int) -> str:
     """``steps`` OmniLearn steps with the session's two window-end methods timed (main thread's CPU), on each rank;
     rank 0's reading: microseconds per window end and per step."""
@@ -248,17 +258,23 @@ def main() -> None:
         for name, wall in walls.items():
             for kind in ("wall", "cpu"):
                 shown = {p: v for p, v in parts[name].items() if p.endswith(" cpu") == (kind == "cpu")}
-                print(f"{name:10s} {kind:4s} {statistics.median(wall) * 1e6 if kind == 'wall' else sum(statistics.median(v) for v in shown.values()) * 1e6:7.0f} | "
-                      + " | ".join(f"{p.removesuffix(' cpu')} {statistics.median(v) * 1e6:6.0f}" for p, v in shown.items()))
+                total = statistics.median(wall) if kind == "wall" else sum(map(statistics.median, shown.values()))
+                print(f"{name:10s} {kind:4s} {total * 1e6:7.0f} | " + " | ".join(
+                    f"{p.removesuffix(' cpu')} {statistics.median(v) * 1e6:6.0f}" for p, v in shown.items()))
         ratios = [o / p for p, o in zip(walls["plain DDP"], walls[SECOND])]
         extra = [(o - p) * 1e6 for p, o in zip(walls["plain DDP"], walls[SECOND])]
         cpu = {name: [sum(block) for block in zip(*(v for p, v in parts[name].items() if p.endswith(" cpu")))]
                for name in walls}
         extra_cpu = [(o - p) * 1e6 for p, o in zip(cpu["plain DDP"], cpu[SECOND])]
         print(f"{SECOND} / plain DDP per pair: " + ", ".join(f"{r:.3f}" for r in ratios))
-        print(f"median ratio {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
-              f"median extra {statistics.median(extra):+.0f} us per step (main thread's CPU: "
-              f"{statistics.median(extra_cpu):+.0f} us, {statistics.median(extra_cpu) / statistics.median(cpu['plain DDP']) / 1e6:+.1%} of plain's)")
+        base_cpu = statistics.median(cpu["plain DDP"]) * 1e6
+        low, high = spread(ratios)
+        cpu_low, cpu_high = spread(extra_cpu)
+        share = statistics.median(extra_cpu) / base_cpu
+        print(f"median ratio {statistics.median(ratios):.3f} (95% interval {low:.3f}-{high:.3f}; "
+              f"min {min(ratios):.3f}, max {max(ratios):.3f}); median extra {statistics.median(extra):+.0f} us "
+              f"per step (main thread's CPU: {statistics.median(extra_cpu):+.0f} us, {share:+.1%} of plain's, "
+              f"95% interval {cpu_low / base_cpu:+.1%} to {cpu_high / base_cpu:+.1%})")
         if windows:
             print(windows)
         if table:
