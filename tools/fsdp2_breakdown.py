@@ -15,8 +15,9 @@ tokens) is sharded the usual way (``fully_shard`` per block, then the root) once
   ``ol.step``;
 
 trained in alternating blocks of ``--steps`` steps. It prints each part in microseconds per step (mean over ranks,
-median over blocks), and for each loop against plain FSDP2: each round's ratio of wall times, their median, the
-median extra microseconds per step and the median extra in ``fwd+bwd`` (where the adapter's cost falls).
+median over blocks), and for each loop against plain FSDP2: each round's ratio of wall times, their median (with
+its 95% interval, the rounds resampled), the median extra microseconds per step and the median extra in
+``fwd+bwd`` (where the adapter's cost falls).
 ``--profile N``: rank 0 runs N more steps of the last loop under cProfile and prints the N functions with the
 most own time.
 
@@ -37,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 import omnilearn
-from hl1_breakdown import Loop, forever, profile  # tools/ is this script's directory
+from hl1_breakdown import Loop, forever, profile, spread  # tools/ is this script's directory
 from omnilearn.bsp import sharded
 from omnilearn.experiments.zoo.gpt import GPT, GPTConfig
 
@@ -142,7 +143,9 @@ def compare(name: str, walls, parts) -> None:
     extra = [(o - p) * 1e6 for p, o in zip(plain, other)]
     inside = [(o - p) * 1e6 for p, o in zip(parts[PLAIN]["fwd+bwd"], parts[name]["fwd+bwd"])]
     print(f"{name} / {PLAIN} per pair: " + ", ".join(f"{r:.3f}" for r in ratios))
-    print(f"  median ratio {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); median "
+    low, high = spread(ratios)
+    print(f"  median ratio {statistics.median(ratios):.3f} (95% interval {low:.3f}-{high:.3f}; min {min(ratios):.3f}, "
+          f"max {max(ratios):.3f}); median "
           f"extra {statistics.median(extra):+.0f} us per step, of which fwd+bwd {statistics.median(inside):+.0f} us "
           f"({statistics.median(inside) / (statistics.median(plain) * 1e6):+.1%} of plain's step)")
 

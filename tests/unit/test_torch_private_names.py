@@ -22,6 +22,7 @@ DDP's hooks on the parameters' ``AccumulateGrad`` nodes    bsp/backward.py (the 
 ``FSDPModule._get_fsdp_state()``                          bsp/sharded.py
 ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group``)  bsp/sharded.py
 ``FSDPParamGroup.wait_for_unshard/finalize_backward``     bsp/sharded.py (timed waits)
+``FSDPParamGroup.reduce_grads``                           bsp/sharded.py (gradient sync set on a change)
 ``fsdp._fully_shard._fsdp_api.ReduceScatter/AllGather``   bsp/sharded.py (the custom comms' signatures)
 ``distributed_c10d._get_default_store()``                 distributed/group.py (default_store)
 ``DataLoader._iterator``, ``..._shutdown_workers()``      data/loader.py (release the workers)
@@ -160,6 +161,29 @@ def test_fsdp_state_param_groups_and_their_waits(group):
         assert params(method) == [], f"FSDPParamGroup.{name} now takes {params(method)}"
     for name in ("set_custom_reduce_scatter", "set_custom_all_gather", "set_gradient_divide_factor"):
         assert callable(getattr(model, name, None)), f"FSDPModule.{name} is gone"
+
+
+def test_fsdp_param_group_reduce_grads_is_the_gradient_sync(group):
+    """bsp/sharded.py's gradient_sync reads each group's ``reduce_grads`` to call ``set_requires_gradient_sync``
+    only on a change: the flag must be what that call sets, on every unit's groups, whoever calls it."""
+    from torch.distributed.fsdp import fully_shard
+
+    from omnilearn.bsp.sharded import gradient_sync, param_groups
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(model[0])
+    model = fully_shard(model)
+    groups = [g for unit in (model, model[0]) for g in param_groups(unit)]
+    assert len(groups) == 2 and all(g.reduce_grads is True for g in groups), \
+        "FSDPParamGroup.reduce_grads is gone or no longer starts True"
+    model.set_requires_gradient_sync(False)
+    assert all(g.reduce_grads is False for g in groups), "set_requires_gradient_sync no longer sets reduce_grads"
+    set_sync = gradient_sync(model)
+    set_sync(True)
+    assert all(g.reduce_grads is True for g in groups)
+    model[0].set_requires_gradient_sync(False)  # someone else turned one unit off: seen, set again
+    set_sync(True)
+    assert all(g.reduce_grads is True for g in groups)
 
 
 def test_fsdp_custom_comm_interfaces_match_ours():

@@ -70,6 +70,7 @@ class MicroSteps:
         self.sum_counts = sum_counts  # all-reduce over DDP's group (identity for one process)
         self.after_local_backward = after_local_backward  # the delay emulator
         self.model: nn.Module | None = None
+        self.set_sharded_sync: Callable[[bool], None] | None = None  # FSDP2's gradient sync, set on a change
         self.reduced = False  # whether the model's reduction applies hook.weight (DDP, or FSDP2 on several ranks)
         self.mean_over = 0  # DDP's rank count: its C++ mean divides by it, the loss is scaled by n b_i / B (0: not DDP)
         self.batch = 0  # the open step's share (none yet)
@@ -78,6 +79,7 @@ class MicroSteps:
     def use_model(self, model: nn.Module, grouped: bool, world_size: int) -> None:
         """The wrapped model: how its gradients are reduced (see the module docstring)."""
         self.model = model
+        self.set_sharded_sync = sharded.gradient_sync(model) if sharded.is_sharded(model) else None
         # FSDP2 on one rank copies instead of reduce-scattering: the weight is applied to the gradients then
         self.reduced = grouped and (world_size > 1 or not sharded.is_sharded(model))
         self.mean_over = model.process_group.size() if isinstance(model, DDP) else 0
@@ -121,8 +123,8 @@ class MicroSteps:
         if self.mean_over:  # DDP (nn.Module's __setattr__ costs every step: set only a change)
             if self.model.require_backward_grad_sync is not sync:
                 self.model.require_backward_grad_sync = sync
-        elif self.model is not None and sharded.is_sharded(self.model):
-            sharded.set_gradient_sync(self.model, sync)
+        elif self.set_sharded_sync is not None:
+            self.set_sharded_sync(sync)
 
     def backward(self, loss: torch.Tensor, count: int | float | torch.Tensor | None = None) -> None:
         """Back-propagate micro-batch ``done``'s mean ``loss`` with its weight (see the module docstring)."""
