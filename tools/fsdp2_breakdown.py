@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 import omnilearn
-from hl1_breakdown import Loop, forever, profile, spread  # tools/ is this script's directory
+from hl1_breakdown import Loop, check_args, forever, profile, spread  # tools/ is this script's directory
 from omnilearn.bsp import sharded
 from omnilearn.experiments.zoo.gpt import GPT, GPTConfig
 
@@ -181,6 +181,9 @@ def main() -> None:
                     help="then N steps of the last loop under cProfile on rank 0: the N functions with the most own "
                          "time")
     args = ap.parse_args()
+    check_args(ap, args, ("blocks", "steps", "layers", "heads", "width", "seq", "vocab", "global_batch"), ("profile",))
+    if args.width % args.heads:
+        ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}: give a width the heads divide")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     data = Tokens(64 * args.global_batch, args.seq, args.vocab)

@@ -39,6 +39,7 @@ import os
 import pstats
 import random
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -198,6 +199,19 @@ def window_cost(ol, loop: Loop, steps: int) -> str:
             + f": {total:.0f} us, {total * len(spent['_end_interval']) / steps:.1f} us per step")
 
 
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, at_least_one: tuple[str, ...],
+               zero_or_more: tuple[str, ...]) -> None:
+    """Refuse in one line (argparse's error: exit 2, no traceback) a count out of range, or a run outside torchrun,
+    before any process group."""
+    for names, low, what in ((at_least_one, 1, "1 or more"), (zero_or_more, 0, "a number of steps, 0 or more")):
+        for name in names:
+            if getattr(args, name) < low:
+                ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give {what}")
+    if "RANK" not in os.environ:
+        ap.error(f"no RANK in the environment: run it under torchrun, e.g. OMP_NUM_THREADS=1 torchrun --standalone "
+                 f"--nproc-per-node 2 {os.path.relpath(sys.argv[0])}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=100, help="pairs of blocks (plain, OmniLearn), interleaved "
@@ -215,11 +229,9 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="then N OmniLearn steps under cProfile on rank 0: the N functions with the most own time")
     args = ap.parse_args()
-    for flag, value in (("--window-cost", args.window_cost), ("--profile", args.profile)):
-        if value < 0:
-            ap.error(f"{flag} {value}: give a number of steps, 0 or more")
     if args.aa and args.window_cost:
         ap.error("--window-cost times OmniLearn's window ends, and --aa runs no OmniLearn loop: drop one of them")
+    check_args(ap, args, ("blocks", "steps", "global_batch", "control_interval"), ("window_cost", "profile"))
     if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         ap.error(f"--device cuda needs one GPU per rank: {torch.cuda.device_count()} GPUs here; use --device cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")

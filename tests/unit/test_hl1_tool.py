@@ -1,4 +1,4 @@
-"""``tools/hl1_breakdown.py``: its refusals, and the interval it prints around the median ratio.
+"""``tools/hl1_breakdown.py`` (and its FSDP2 twin): their refusals, and the interval it prints around the median ratio.
 
 The interval resamples the pairs: with nothing but noise between the loops it must contain 1, and it must
 narrow as the pairs grow (what lets a reader tell a 3% cost from the machine's spread).
@@ -9,6 +9,7 @@ Run: ``python -m pytest -q tests/unit/test_hl1_tool.py``
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "hl1_breakdown.py"
+FSDP2_TOOL = TOOL.with_name("fsdp2_breakdown.py")
 
 
 def load_tool():
@@ -40,13 +42,27 @@ def test_the_interval_holds_the_median_and_narrows_with_more_pairs():
     assert spread(few) == spread(few)  # seeded: a rerun prints the same interval
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--window-cost", "-1"], "--window-cost -1"),
-    (["--profile", "-5"], "--profile -5"),
-    (["--aa", "--window-cost", "10"], "--window-cost"),
+@pytest.mark.parametrize("tool, args, named", [
+    (TOOL, ["--window-cost", "-1"], "--window-cost -1"),
+    (TOOL, ["--profile", "-5"], "--profile -5"),
+    (TOOL, ["--aa", "--window-cost", "10"], "--window-cost"),
+    (TOOL, ["--blocks", "0"], "--blocks 0: give 1 or more"),
+    (TOOL, ["--steps", "-3"], "--steps -3: give 1 or more"),
+    (TOOL, [], "run it under torchrun"),
+    (FSDP2_TOOL, ["--vocab", "0"], "--vocab 0: give 1 or more"),
+    (FSDP2_TOOL, [], "torchrun --standalone --nproc-per-node 2 tools/fsdp2_breakdown.py"),
 ])
-def test_bad_arguments_are_refused_in_one_line_before_any_process_group(args, named):
-    done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120)
+def test_bad_arguments_are_refused_in_one_line_before_any_process_group(tool, args, named):
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    done = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tool.parents[1])
     assert done.returncode == 2
     assert named in done.stderr and "Traceback" not in done.stderr
     assert len([line for line in done.stderr.splitlines() if "error" in line]) == 1
+
+
+def test_fsdp2_tool_refuses_heads_that_do_not_divide_the_width():
+    env = {**os.environ, "RANK": "0"}  # past the torchrun check: the width's refusal comes before any group
+    done = subprocess.run([sys.executable, str(FSDP2_TOOL), "--heads", "3"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 2 and "--width 64 is not a multiple of --heads 3" in done.stderr

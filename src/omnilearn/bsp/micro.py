@@ -81,7 +81,7 @@ class MicroSteps:
         self.model = model
         self.set_sharded_sync = sharded.gradient_sync(model) if sharded.is_sharded(model) else None
         # FSDP2 on one rank copies instead of reduce-scattering: the weight is applied to the gradients then
-        self.reduced = grouped and (world_size > 1 or not sharded.is_sharded(model))
+        self.reduced = grouped and (world_size > 1 or self.set_sharded_sync is None)
         self.mean_over = model.process_group.size() if isinstance(model, DDP) else 0
         self.split(self.planned)
 
