@@ -323,14 +323,15 @@ def test_existing_group_batches_buffers_seeds_settings_and_traffic(tmp_path):
     for key in ("buffers", "params"):
         for name in a[key]:
             torch.testing.assert_close(a[key][name], b[key][name], msg=f"{key} {name} differ between ranks")
-    # Per control interval of 4 steps: one all_gather of 2 x (12 + 1 + 4 x 8) numbers: the meeting's row, then
+    # Per control interval of 4 steps: one all_gather of 2 x (12 + 1 + 4 x 8 + 2) numbers: the meeting's row, then
     # room for the window's step rows (8 numbers each, 4 at most) and their count, which rank 0 totals (no
-    # reduction of its own); sync_buffers() and finish()'s flush of the last 2 steps meet alike. Plus one of 2 x 2
+    # reduction of its own), and the replica fingerprint (2 numbers); sync_buffers() and finish()'s flush of the
+    # last 2 steps meet alike. Plus one of 2 x 2
     # when the data starts (size and prefetch). 30 steps: 7 intervals, the flush, 2 sync_buffers(); finish()
     # gathers 6 numbers per rank (the per-worker sums) to rank 0 once.
     for calls, main in ((a["calls"], True), (b["calls"], False)):
         gathers = [n for op, n, _ in calls if op == "all_gather"]
-        assert sorted(gathers) == [2 * 2] + [2 * (12 + 1 + 4 * 8)] * 10, gathers
+        assert sorted(gathers) == [2 * 2] + [2 * (12 + 1 + 4 * 8 + 2)] * 10, gathers
         assert [op for op, _, _ in calls if op == "reduce"] == []
         assert [(n, receives) for op, n, receives in calls if op == "gather"] == [(6, main)]
     for rank in (0, 1):  # each rank's rows in its own file, under rank 0's run directory (its path was shared)

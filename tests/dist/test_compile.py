@@ -91,13 +91,7 @@ def train(outside: bool, micro: int) -> dict:
         marks["reduced"] += 1
         on_reduced(last)
 
-    on_mark = ol.hook.on_mark  # the ready mark where the emulator does not sleep (bsp/backward.py)
-
-    def mark() -> None:
-        marks["ready"] += 1
-        on_mark()
-
-    ol.emulator.before_sync, ol.hook.on_reduced, ol.hook.on_mark = ready, reduced, mark
+    ol.emulator.before_sync, ol.hook.on_reduced = ready, reduced
     net = mlp()
     model = torch.compile(ol.wrap_model(net), backend=BACKEND) if outside else \
         ol.wrap_model(torch.compile(net, backend=BACKEND))

@@ -1,19 +1,17 @@
-"""The weighted backward on DDP's C++ path (``omnilearn.bsp.backward``) on real gloo process groups.
+"""The one weighting of a DDP step (``omnilearn.bsp.backward``, a comm hook) on real gloo process groups.
 
 A 3-rank world split into DDP groups ``{0, 1}`` and ``{2}``: ranks 0 and 1
 end with exactly ``w0 g0 + w1 g1`` (their own weights; float64, to 1e-12
 relative, where a weight off by 1% shows at 1e-2), rank 2 with ``w2 g2``:
-the scale is ``n w_i`` with ``n`` the size of the group DDP was given (with
-the world's size the pair would end with 3/2 of its sum). Both routes: a
-plain ``loss.backward()`` (the hook on the output scales the gradient that
-flows into it) and the loss scaled by the caller (``output_scale=None``).
-No comm hook is registered (DDP's own C++ path), and the marks come once per
-step each: ready (on the parameter learned to be ready last) and reduced
-(after DDP's finalisation: every gradient is the reduced one there), in that
-order, also on a second step after learning, with the ready hook after DDP's
-(nothing sleeps) and before it (``delayed``: the emulator sleeps there); and
-a session whose speeds change moves the hook with them, consulting the
-emulator at the ready mark on exactly the steps it slows the rank down.
+each rank's bucket is multiplied by its weight and summed over the group DDP
+was given, never averaged. The weight as a float and as a 0-dim tensor (token
+counts); a model whose output is not a pytree (the old output hooks could
+not see it: refused until issue 49) is weighted like any other. One comm hook
+is registered (OmniLearn's; another is refused in one line), and the marks
+come once per step each: ready (the last bucket's hook, before its
+all-reduce) and reduced (after DDP's finalisation: every gradient is the
+reduced one there), in that order. A session whose speeds change consults
+the emulator at the ready mark once on every step.
 
 Run: ``python -m pytest -q tests/dist/test_hooks.py``
 """
@@ -45,14 +43,34 @@ def inputs(rank: int) -> torch.Tensor:
     return torch.arange(12, dtype=torch.float64).reshape(3, 4) * (rank + 1) / 7
 
 
+class Box:
+    """A model output that is not a pytree."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class Boxed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 3).double(), nn.Linear(3, 2, bias=False).double())
+
+    def forward(self, x):
+        return Box(self.net(x))
+
+
 def _worker(rank: int, store: str, out: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    from omnilearn.config import ConfigError
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
     pair, solo = dist.new_group([0, 1]), dist.new_group([2])  # every rank creates every group, in order
     dist.barrier()
-    torch.manual_seed(0)
     marks: list[str] = []
-    model = nn.Sequential(nn.Linear(4, 3).double(), nn.Linear(3, 2, bias=False).double())
+    model = Boxed()
     at_reduced: list[list[torch.Tensor]] = []  # the gradients when the reduced mark comes
 
     def reduced(last: bool) -> None:
@@ -61,29 +79,20 @@ def _worker(rank: int, store: str, out: str) -> None:
 
     state = HookState(on_ready=lambda: marks.append("ready"), on_reduced=reduced)
     ddp = wrap(model, torch.device("cpu"), True, state, process_group=pair if rank < 2 else solo)
-    n = ddp.process_group.size()
     grads = []
-    for route in ("output hook", "scaled loss", "output hook"):
+    for weight in (WEIGHTS[rank], torch.tensor(WEIGHTS[rank], dtype=torch.float64), WEIGHTS[rank]):
         ddp.zero_grad()
-        state.output_scale = n * WEIGHTS[rank]
-        y = ddp(inputs(rank))
-        if route == "scaled loss":
-            state.output_scale = None
-            (y.sum() * (n * WEIGHTS[rank])).backward()
-        else:
-            y.sum().backward()
+        state.weight = weight
+        ddp(inputs(rank)).t.sum().backward()
         grads.append([p.grad.clone() for p in ddp.module.parameters()])
         marks.append("step")
-    equal, early = [], []
-    for delayed in (False, True, False):  # equal shares: no output hook, the learned parameter's hook marks it
-        ddp.zero_grad()
-        state.output_scale, state.delayed = 1.0, delayed
-        ddp(inputs(rank)).sum().backward()
-        equal.append([p.grad.clone() for p in ddp.module.parameters()])
-        early.append(ddp.__dict__["marks"].early)
-        marks.append("equal")
-    torch.save({"grads": grads, "marks": marks, "hooks": len(ddp._comm_hooks), "equal": equal, "early": early,
-                "at_reduced": at_reduced}, f"{out}/rank{rank}.pt")
+    try:
+        ddp.register_comm_hook(None, fp16_compress_hook)
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    torch.save({"grads": grads, "marks": marks, "hooks": len(ddp._comm_hooks), "at_reduced": at_reduced,
+                "refused": refused}, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -100,7 +109,7 @@ def _expected(ranks: list[int], plain_mean: bool = False) -> list[torch.Tensor]:
     return [sum(g[i] for g in grads) for i in range(len(grads[0]))]
 
 
-def test_ddp_mean_of_scaled_gradients_is_the_weighted_sum_on_ddps_group(tmp_path):
+def test_each_rank_weighted_once_and_summed_on_ddps_group(tmp_path):
     start_ranks(_worker, (str(tmp_path / "store"), str(tmp_path)), 3)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
     pair, solo = _expected([0, 1]), _expected([2])
@@ -109,63 +118,14 @@ def test_ddp_mean_of_scaled_gradients_is_the_weighted_sum_on_ddps_group(tmp_path
         for step in got[r]["grads"]:
             for g, w in zip(step, want):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
-        assert got[r]["hooks"] == 0  # DDP's own C++ path: no Python comm hook
-        assert got[r]["marks"] == ["ready", "reduced", "step"] * 3 + ["ready", "reduced", "equal"] * 3
-        assert got[r]["early"] == [False, True, False]  # the ready hook after DDP's, before it, after it again
-        mean = _expected([0, 1], plain_mean=True) if r < 2 else _expected([2], plain_mean=True)
-        for step in got[r]["equal"]:
-            for g, w in zip(step, mean):
-                torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
-        for at, step in zip(got[r]["at_reduced"], got[r]["grads"] + got[r]["equal"]):
-            for g, final in zip(at, step):  # reduced already when the mark came, on both routes
+        assert got[r]["hooks"] == 1  # OmniLearn's comm hook, the only one
+        assert "drop the comm hook" in got[r]["refused"] and "fp16_compress_hook" in got[r]["refused"]
+        assert got[r]["marks"] == ["ready", "reduced", "step"] * 3
+        for at, step in zip(got[r]["at_reduced"], got[r]["grads"]):
+            for g, final in zip(at, step):  # reduced already when the mark came
                 torch.testing.assert_close(g, final, rtol=0, atol=0)
-    leaked = [g * 2 / 3 for g in pair]  # scaled by the world's size instead of the group's
-    assert not torch.allclose(got[0]["grads"][0][0], leaked[0])
-
-
-class Box:
-    """A model output that is not a pytree: the hook on the outputs cannot see the tensor inside."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-
-class Boxed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return Box(self.lin(x))
-
-
-def _unhooked_worker(rank: int, store: str, out: str) -> None:
-    import omnilearn
-    from omnilearn.config import ConfigError
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    ol = omnilearn.setup(global_batch=8, device="cpu", handle_signals=False, speeds="1,1")
-    model = ol.wrap_model(Boxed())
-    said = ""
-    for x in ol.data_loader([torch.ones(4)] * 32):
-        model(x).t.sum().backward()
-        try:
-            ol.step()
-        except ConfigError as e:
-            said = str(e)
-        break
-    torch.save({"said": said}, f"{out}/rank{rank}.pt")
-    ol.release()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def test_an_output_the_hook_cannot_see_is_refused_naming_ol_backward(tmp_path):
-    start_ranks(_unhooked_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
-    for r in range(2):
-        said = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["said"]
-        assert "(Box)" in said and "call ol.backward(loss)" in said, said
+    mean = _expected([0, 1], plain_mean=True)  # DDP's unweighted mean differs: the weighting is not a no-op
+    assert not torch.allclose(got[0]["grads"][0][0], mean[0])
 
 
 def _switching_worker(rank: int, store: str, out: str) -> None:
@@ -191,7 +151,7 @@ def _switching_worker(rank: int, store: str, out: str) -> None:
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
-        seen.append((ol.emulator.slowdown > 1.0, model.__dict__["marks"].early))
+        seen.append(ol.emulator.slowdown > 1.0)
         ol.step()
     torch.save({"seen": seen, "slept": slept}, f"{out}/rank{rank}.pt")
     ol.release()
@@ -199,16 +159,12 @@ def _switching_worker(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_the_ready_hook_goes_before_ddps_while_the_emulator_slows_the_rank_down(tmp_path):
-    """A session whose speeds change: on the steps where this rank's emulator sleeps, the ready mark's hook runs
-    before DDP's (the emulator is consulted there, once a step); where it does not, after DDP's."""
+def test_the_emulator_is_consulted_at_the_ready_mark_once_every_step(tmp_path):
+    """A session whose speeds change: the ready mark (the last bucket's hook) consults the emulator once a step,
+    before the last all-reduce starts, on the slowed steps and the others."""
     start_ranks(_switching_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        slowed = [s for s, _ in got["seen"]]
-        assert slowed == ([False] * 3 + [True] * 3 + [False] * 3 if rank == 0 else
-                          [True] * 3 + [False] * 3 + [True] * 3), got["seen"]
-        # from step 1 (the first learns the last-ready parameter: its ready mark comes at the graph's end)
-        for step, ((slow, early), slept) in list(enumerate(zip(got["seen"], got["slept"])))[1:]:
-            assert early == slow, f"rank {rank} step {step}: emulator sleeping {slow}, hook before DDP's {early}"
-            assert slept == (1 if slow else 0), f"rank {rank} step {step}: the emulator consulted {slept} times"
+        assert got["seen"] == ([False] * 3 + [True] * 3 + [False] * 3 if rank == 0 else
+                               [True] * 3 + [False] * 3 + [True] * 3), got["seen"]
+        assert got["slept"] == [1] * 9, f"rank {rank}: the emulator consulted {got['slept']} times"

@@ -31,7 +31,9 @@ from hl1_breakdown import omni_loop, plain_loop  # noqa: E402  (the benchmark's 
 
 pytestmark = pytest.mark.dist
 STEPS = 40
-BUDGET = 59  # extra calls a quiet step: 55.9 on 2026-11-28 (60.9 before the sixth pass, 86.7 before the fifth)
+# extra calls a quiet step: 66.3 on 2026-12-07 with the exact weighting (issue 49: DDP's comm hook, a Python call per
+# bucket, and the marks in the last bucket's call); 55.9 on 2026-11-28 with the inexact output hooks it replaced
+BUDGET = 67
 
 
 def calls(step, steps: int) -> int:

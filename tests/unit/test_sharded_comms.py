@@ -3,7 +3,9 @@
 Scripted clocks (the module's ``time`` replaced by counters), no wall-clock assertions:
 
 - the reduce-scatter multiplies the local gradients by this rank's weight (float or 0-dim float64 tensor) and
-  SUM-reduce-scatters; the emulator's ``before`` runs once per collective;
+  SUM-reduce-scatters, honouring the reduction FSDP2 asks for on top (``PREMUL_SUM(f)``: times ``f``; ``AVG``:
+  over the group's size, as a later ``set_gradient_divide_factor`` asks) and refusing one that is no scaled sum;
+  the emulator's ``before`` runs once per collective;
 - a collective or a wait adds its host wall time to ``blocked``, and the process CPU time meanwhile only in a
   step that needs it (``cpu_time()``): none read otherwise (reading it sums every thread's time: costly beside
   gloo's threads, tools/fsdp2_breakdown.py); without ``cpu_time`` it is always read, as before;
@@ -87,18 +89,39 @@ def test_a_wait_that_fails_still_adds_its_time(clocks):
     assert session.blocks == [(1.0, 0.0)]
 
 
+class Pair:
+    """A process group of two (its size is all the reduce-scatter reads)."""
+
+    def size(self) -> int:
+        return 2
+
+
 @pytest.mark.parametrize("weight", [0.25, torch.tensor(0.25, dtype=torch.float64)])
-def test_the_reduce_scatter_weights_the_local_gradients_and_sums(clocks, monkeypatch, weight):
+@pytest.mark.parametrize("op, factor", [(None, 1.0), (dist.ReduceOp.SUM, 1.0), (dist.ReduceOp.PREMUL_SUM(1.0), 1.0),
+                                        (dist.ReduceOp.PREMUL_SUM(0.5), 0.5), (dist.ReduceOp.AVG, 0.5)])
+def test_the_reduce_scatter_weights_the_local_gradients_and_sums_honouring_fsdps_op(clocks, monkeypatch, weight, op,
+                                                                                    factor):
     calls = []
     monkeypatch.setattr(sharded_comms, "_REDUCE_SCATTER", lambda out, inp, **kw: calls.append((inp.clone(), kw)))
     session = Session(False)
     comm = WeightedReduceScatter(lambda: weight, session.before, HostWait(session.blocked, session.cpu_time))
     grads = torch.tensor([4.0, 8.0])
-    comm(torch.empty(1), grads, group="g", op=dist.ReduceOp.AVG)
+    group = Pair()
+    comm(torch.empty(1), grads, group=group, op=op)
     (sent, kw), = calls
-    assert torch.equal(sent, torch.tensor([1.0, 2.0])) and kw == {"op": dist.ReduceOp.SUM, "group": "g",
-                                                                   "async_op": False}
+    assert torch.equal(sent, torch.tensor([1.0, 2.0]) * factor)
+    assert kw == {"op": dist.ReduceOp.SUM, "group": group, "async_op": False}
     assert session.befores == 1 and session.blocks == [(1.0, 0.0)] and clocks.cpu_reads == 0
+
+
+@pytest.mark.parametrize("op", [dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT])
+def test_a_reduction_that_is_no_scaled_sum_is_refused_in_one_line(op):
+    from omnilearn.config import ConfigError
+
+    session = Session(False)
+    comm = WeightedReduceScatter(lambda: 0.25, session.before, None)
+    with pytest.raises(ConfigError, match=r"for a RedOpType\.(MAX|PRODUCT) reduction, which is no weighted sum"):
+        comm(torch.empty(1), torch.ones(2), group=Pair(), op=op)
 
 
 def test_on_cuda_a_collective_is_not_host_timed(clocks, monkeypatch):

@@ -10,10 +10,8 @@ torch versions these tests ran on are the ones ``omnilearn.setup`` accepts (``re
 name                                                      used by
 ========================================================  ==========================================
 ``DistributedDataParallel._get_active_ddp_module()``      bsp/wrap.py (a DDP wrapped in another)
-``Variable._execution_engine.queue_callback``             bsp/backward.py (the ready and reduced marks)
-DDP's hooks on the parameters' ``AccumulateGrad`` nodes    bsp/backward.py (the ready mark after DDP's hook)
-``torch.utils._pytree.tree_leaves``                       bsp/backward.py (the output's tensors)
-``torch._foreach_mul_``                                   bsp/micro.py (token counts: accumulated gradients)
+``Variable._execution_engine.queue_callback``             bsp/backward.py (the reduced mark, after DDP's finalisation)
+``torch._foreach_norm(..., dtype=)``                      bsp/replicas.py (the replica fingerprint)
 ``OptimizedModule._orig_mod``                             bsp/session.py (``ol.module`` of a compiled model)
 ``DistributedDataParallel.reducer/logger/process_group``  bsp/wrap.py (release), bsp/memory.py
 ``DistributedDataParallel.reducer._reset_state()``        bsp/memory.py (out-of-memory redo)
@@ -23,6 +21,7 @@ DDP's hooks on the parameters' ``AccumulateGrad`` nodes    bsp/backward.py (the 
 ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group``)  bsp/sharded.py
 ``FSDPParamGroup.wait_for_unshard/finalize_backward``     bsp/sharded.py (timed waits)
 ``FSDPParamGroup.reduce_grads``                           bsp/sharded.py (gradient sync set on a change)
+``FSDPParamGroup.gradient_divide_factor``                 bsp/sharded.py (a factor the user set is kept)
 ``fsdp._fully_shard._fsdp_api.ReduceScatter/AllGather``   bsp/sharded.py (the custom comms' signatures)
 ``distributed_c10d._get_default_store()``                 distributed/group.py (default_store)
 ``DataLoader._iterator``, ``..._shutdown_workers()``      data/loader.py (release the workers)
@@ -79,44 +78,25 @@ def test_ddp_get_active_ddp_module_is_the_ddp_whose_forward_runs(ddp):
     assert seen == [outer], "DDP._get_active_ddp_module() no longer names the DDP whose forward runs"
 
 
-def test_engine_queue_callback_runs_after_the_graph_in_order_and_chains(ddp):
-    """bsp/backward.py: a callback queued during the backward runs after the graph, in the order queued, and one
-    queued from a callback runs after the ones already queued (so the reduced mark, queued by the end-of-graph
-    callback, runs after DDP's finalize_backward, which DDP queues at its last bucket in between)."""
+def test_engine_queue_callback_chained_from_the_last_buckets_comm_hook_runs_after_ddps_finalisation(ddp):
+    """bsp/backward.py: a callback queued in the last bucket's comm hook runs after the graph, and one it queues
+    runs after DDP's ``finalize_backward`` (queued when the last bucket was launched, after the hook returned):
+    the gradients are the reduced ones there (this comm hook doubles them)."""
     from torch.autograd import Variable
 
-    order: list[str] = []
-    x = torch.ones(2, 3)
-    out = ddp(x)
-
-    def first() -> None:
-        order.append("first")
-        Variable._execution_engine.queue_callback(lambda: order.append("chained"))
-
-    out.register_hook(lambda g: Variable._execution_engine.queue_callback(first) and None)
-    weight = ddp.module.weight
-    weight.register_post_accumulate_grad_hook(
-        lambda p: Variable._execution_engine.queue_callback(lambda: order.append("queued later")))
-    out.sum().backward()
-    assert order == ["first", "queued later", "chained"], f"the engine's final callbacks changed: {order}"
-
-
-def test_ddp_hooks_the_accumulate_grad_node_at_construction_so_a_later_node_hook_runs_after_it(ddp):
-    """bsp/backward.py: DDP's reducer hooks each parameter's ``AccumulateGrad`` node when it is built, so a post
-    hook registered on that node later runs after DDP's: the last bucket is launched and ``finalize_backward``
-    queued by then, and a callback queued there sees the reduced gradients (a comm hook doubles them here)."""
-    from torch.autograd import Variable
-    from torch.autograd.graph import get_gradient_edge
-
-    ddp.register_comm_hook(None, lambda _, bucket: _done(bucket.buffer() * 2))
     seen: list[torch.Tensor] = []
-    node = get_gradient_edge(ddp.module.weight).node
-    node.register_hook(lambda *_: Variable._execution_engine.queue_callback(
-        lambda: seen.append(ddp.module.weight.grad.clone())) and None)
+
+    def hook(_, bucket):
+        if bucket.is_last():
+            Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(
+                lambda: seen.append(ddp.module.weight.grad.clone())))
+        return _done(bucket.buffer() * 2)
+
+    ddp.register_comm_hook(None, hook)
     ddp(torch.ones(2, 3)).sum().backward()
     local = torch.ones(2, 3) * 2  # d sum(x W^T) / dW for two rows of ones, before DDP's reduction
     assert seen and torch.equal(seen[0], local * 2), (
-        "a post hook on a parameter's AccumulateGrad node registered after DDP no longer runs after DDP's: "
+        "a callback chained from the last bucket's comm hook no longer runs after DDP's finalize_backward: "
         f"the gradient it saw was {seen[0].tolist() if seen else None}, not the reduced one")
 
 
@@ -186,6 +166,19 @@ def test_fsdp_param_group_reduce_grads_is_the_gradient_sync(group):
     assert all(g.reduce_grads is True for g in groups)
 
 
+def test_fsdp_param_group_gradient_divide_factor_is_the_units_setting(group):
+    """bsp/sharded.py keeps a divide factor the user set (None: FSDP2's default average, replaced by a sum)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from omnilearn.bsp.sharded import param_groups
+
+    unit = fully_shard(nn.Linear(3, 2))
+    assert [g.gradient_divide_factor for g in param_groups(unit)] == [None], "FSDP2's default divide factor changed"
+    unit.set_gradient_divide_factor(4.0)
+    assert [g.gradient_divide_factor for g in param_groups(unit)] == [4.0], \
+        "FSDPParamGroup.gradient_divide_factor no longer holds set_gradient_divide_factor's value"
+
+
 def test_fsdp_custom_comm_interfaces_match_ours():
     """bsp/sharded.py's WeightedReduceScatter and TimedAllGather implement FSDP2's comm interfaces (private module
     ``torch.distributed.fsdp._fully_shard._fsdp_api``): same parameters, in order. (Their calls on 2+ ranks:
@@ -234,20 +227,13 @@ def test_setup_checks_the_torch_version(monkeypatch):
         omnilearn.setup(global_batch=4, device="cpu")
 
 
-def test_pytree_tree_leaves_finds_the_tensors_of_a_nested_output():
-    """bsp/backward.py hooks every tensor leaf of a model's output (tuples, dicts, dataclass-like outputs)."""
-    from torch.utils._pytree import tree_leaves
-
-    a, b = torch.ones(1), torch.zeros(2)
-    assert [id(t) for t in tree_leaves({"x": (a, [b]), "n": 3}) if torch.is_tensor(t)] == [id(a), id(b)], \
-        "torch.utils._pytree.tree_leaves changed"
-
-
-def test_foreach_mul_scales_a_list_of_gradients_in_place_by_a_tensor():
-    """bsp/micro.py multiplies the accumulated gradients by a 0-dim device tensor (token counts under DDP)."""
-    grads = [torch.ones(2, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64)]
-    torch._foreach_mul_(grads, torch.tensor(0.5, dtype=torch.float64))
-    assert grads[0].tolist() == [0.5, 0.5] and grads[1].tolist() == [1.0, 1.0, 1.0], "torch._foreach_mul_ changed"
+def test_foreach_norm_in_float64_per_tensor():
+    """bsp/replicas.py: ``torch._foreach_norm(tensors, 2, dtype=torch.float64)`` gives each tensor's 2-norm in
+    float64 (one fused pass), whatever the tensors' own dtype."""
+    norms = torch._foreach_norm([torch.full((4,), 0.5, dtype=torch.float32), torch.ones(2, 2)], 2,
+                                dtype=torch.float64)
+    assert [n.dtype for n in norms] == [torch.float64] * 2 and [float(n) for n in norms] == [1.0, 2.0], \
+        "torch._foreach_norm(..., dtype=) changed"
 
 
 def test_compiled_module_keeps_the_original_as_orig_mod():

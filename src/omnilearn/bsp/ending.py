@@ -39,7 +39,7 @@ class Ending:
         self._read_meeting()
         if self.model is None or not self.ctx.grouped:
             return
-        meet(self.ctx, SYNC_BUFFERS, self.steps_done, slots=self.slots)
+        meet(self.ctx, SYNC_BUFFERS, self.steps_done, slots=self.slots, fingerprint=self.replica_fingerprint())
         self._average_buffers()
 
     def _average_buffers(self) -> None:

@@ -10,13 +10,16 @@ window, the measured objective; ``reset``: this rank reset DDP's reducer
 alone after an out-of-memory redo, any rank's makes every rank reset it after
 this step, :class:`~omnilearn.bsp.memory.ReducerResets`; ``plan``: the CRC of
 this rank's batch plan from this step on and its lag,
-:func:`~omnilearn.decisions.plan_checksum`).
+:func:`~omnilearn.decisions.plan_checksum`), and at the end of the row
+this rank's replica fingerprint (:mod:`omnilearn.bsp.replicas`: two
+numbers, at a window's end and at ``sync_buffers()``; zeros elsewhere).
 All ranks must be at the same kind of point after the same number of steps;
 if one rank calls ``sync_buffers()`` while another ends a control interval,
 every rank that meets raises the same clear error instead of pairing
 unrelated collectives. A rank whose plan differs from rank 0's (it would
 read slices that overlap or leave gaps) makes every rank raise an error
-naming it, at the first window meeting after the plans parted.
+naming it, at the first window meeting after the plans parted; so does a
+rank whose model replica parted from rank 0's.
 
 :class:`Meeting` starts the all-gather and :meth:`Meeting.table` reads it:
 the session reads a window's meeting one step later
@@ -62,6 +65,7 @@ from typing import Sequence
 import numpy as np
 
 from omnilearn.balance.loop import WINDOW_FIELDS, ControlLoop
+from omnilearn.bsp import replicas
 from omnilearn.config import BalanceConfig, ConfigError, shared_settings
 from omnilearn.data.schedule import BatchSchedule
 from omnilearn.decisions import CHECK, INTERVAL, SYNC_BUFFERS, plan_checksum, plans_differ, summarise, table_row
@@ -116,14 +120,16 @@ class Meeting:
     def __init__(self, ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
                  window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
                  step_s: float = 0.0, reset: bool = False, plan: int = 0,
-                 rows: Sequence[Sequence[float]] = (), slots: int = 0) -> None:
+                 rows: Sequence[Sequence[float]] = (), slots: int = 0,
+                 fingerprint: Sequence[float] = replicas.NONE) -> None:
         self.ctx, self.kind, self.steps_done = ctx, kind, steps_done
         if len(rows) > slots:
             raise ValueError(f"a meeting with room for {slots} step rows was given {len(rows)}")
         head = table_row(kind, steps_done, last_read, window, stop, cap, step_s, reset, plan)
         self.width, self.full = len(head), None
-        row = np.zeros(len(head) + 1 + ROW_WIDTH * slots)  # the head, the row count, the rows, zeros to the slots
-        row[: self.width], row[self.width] = head, len(rows)
+        # the head, the row count, the rows, zeros to the slots, the replica fingerprint
+        row = np.zeros(len(head) + 1 + ROW_WIDTH * slots + replicas.WIDTH)
+        row[: self.width], row[self.width], row[-replicas.WIDTH :] = head, len(rows), fingerprint
         if len(rows):
             row[self.width + 1 : self.width + 1 + ROW_WIDTH * len(rows)] = np.asarray(rows, dtype=np.float64).ravel()
         try:
@@ -164,26 +170,32 @@ class Meeting:
                                f"after {steps_done} steps (their slices of the global batch would overlap or leave "
                                "gaps): start every rank with the same settings, data and checkpoint, and change plans "
                                "only through the session")
+        parted = replicas.parted(self.full[:, -replicas.WIDTH :].tolist())
+        if parted:
+            raise replicas.parted_error(parted, f"{POINTS.get(kind, kind)} after {steps_done} steps")
         return table
 
 
 def meet(ctx: DistContext, kind: int, steps_done: int, last_read: int = -1,
          window: Sequence[float] = (0.0,) * WINDOW_FIELDS, stop: bool = False, cap: int | None = None,
-         step_s: float = 0.0, reset: bool = False, plan: int = 0, slots: int = 0) -> list[list[float]]:
+         step_s: float = 0.0, reset: bool = False, plan: int = 0, slots: int = 0,
+         fingerprint: Sequence[float] = replicas.NONE) -> list[list[float]]:
     """All ranks' rows; raises on every rank if they are not at the same point or hold different plans.
 
     A rank that never comes (it skipped the call and waits in a training
     step's gradient sync instead) leaves this rank waiting until the process
     group's timeout; the error then says so.
     """
-    return Meeting(ctx, kind, steps_done, last_read, window, stop, cap, step_s, reset, plan, slots=slots).table()
+    return Meeting(ctx, kind, steps_done, last_read, window, stop, cap, step_s, reset, plan, slots=slots,
+                   fingerprint=fingerprint).table()
 
 
 def window_meeting(ctx: DistContext, loop: ControlLoop, schedule: BatchSchedule, kind: int, step: int,
                    steps_done: int, rows: list[list[float]], stop: bool = False, cap: int | None = None,
-                   reset: bool = False, summarised: int | None = None, slots: int = 0) -> Meeting:
+                   reset: bool = False, summarised: int | None = None, slots: int = 0,
+                   fingerprint: Sequence[float] = replicas.NONE) -> Meeting:
     """Start the meeting of a window that ended at ``step`` (``kind``: INTERVAL or CHECK); ``rows``: this rank's
     rows of the window so far, sent along; the loop's summary is of the last ``summarised`` of them (all: None)."""
     mine, step_s = summarise(loop, ctx.rank, rows if summarised is None else rows[-summarised:])
     return Meeting(ctx, kind, steps_done, schedule.last_read, mine, stop, cap, step_s, reset,
-                   plan_checksum(schedule, step, loop.lag), rows, slots)
+                   plan_checksum(schedule, step, loop.lag), rows, slots, fingerprint)

@@ -9,19 +9,19 @@ once per micro-batch, then ``optimizer.step()`` and ``ol.step()``.
 Sample weighting (default): micro-batch ``j``'s mean loss is scaled by
 ``m_ij / b_i`` and the worker's sum is weighted by ``b_i / B``, so the
 update is ``sum_ij (m_ij / B) g_ij``, the gradient of the mean loss over the
-global batch, whatever the split, the plan or ``k``. Under DDP both factors
-scale the loss (``n m_ij / B``: DDP's own C++ mean divides by its ``n``
-ranks, :mod:`omnilearn.bsp.backward`); under FSDP2 the weight is applied in
-the reduce-scatter (:mod:`omnilearn.bsp.sharded`).
+global batch, whatever the split, the plan or ``k``. The first factor
+scales the loss here; the second is the rank's weight, applied once to the
+accumulated gradients at the reduction (DDP's comm hook,
+:mod:`omnilearn.bsp.backward`; FSDP2's weighted reduce-scatter,
+:mod:`omnilearn.bsp.sharded`).
 
 Count weighting (``count=``, e.g. the non-padding tokens a token loss
 averages over): the mean over a micro-batch's terms is scaled by
 ``n_ij / c_i`` (``c_i = k * max(n_i0, 1)``, any positive constant works; this
 one keeps the scale near ``1 / k``); at the last micro-batch one all-reduce
-sums ``N = sum_ij n_ij`` over DDP's group and the worker's sum is weighted
-by ``c_i / N`` (under DDP: the gradients accumulated so far are multiplied
-by ``n c_i / N`` and the last loss scaled by it; under FSDP2 in the
-reduce-scatter): the update is the mean over every term of the global batch.
+sums ``N = sum_ij n_ij`` over DDP's group and the worker's weight becomes
+``c_i / N`` (applied at the reduction, as above): the update is the mean
+over every term of the global batch.
 The counts stay on the device (no host sync). Use it on every rank at the
 same steps (the all-reduce is a collective); a micro-batch with count 0
 must still have a finite loss (it is scaled by 0). A step whose counts are
@@ -39,7 +39,12 @@ numbers of micro-batches in one step: each syncs once, on its last.
 DDP decides at *forward* time whether the next backward syncs, so the
 session sets ``require_backward_grad_sync`` before each micro-batch's
 forward: off after a step starts (k > 1), on once ``k - 1`` backwards are
-done. A sharded model (FSDP2, :mod:`omnilearn.bsp.sharded`) is told the
+done. A loop that runs every micro-batch's forward first and then the
+backwards would never run a syncing forward (each forward ran before the
+backwards that turn the sync on): the replicas would part silently. The
+last ``ol.backward`` of a step checks that a syncing forward ran in it
+(``HookState.synced``) and refuses, before back-propagating, in one line
+naming the supported order. A sharded model (FSDP2, :mod:`omnilearn.bsp.sharded`) is told the
 same through ``set_requires_gradient_sync``; its weighted reduce-scatter
 applies the hook's weight. After each non-syncing backward the delay emulator may sleep (a slow
 worker is slow on every micro-batch); the syncing one sleeps in the hook.
@@ -72,7 +77,7 @@ class MicroSteps:
         self.model: nn.Module | None = None
         self.set_sharded_sync: Callable[[bool], None] | None = None  # FSDP2's gradient sync, set on a change
         self.reduced = False  # whether the model's reduction applies hook.weight (DDP, or FSDP2 on several ranks)
-        self.mean_over = 0  # DDP's rank count: its C++ mean divides by it, the loss is scaled by n b_i / B (0: not DDP)
+        self.ddp = False  # the model is DDP (its forward decides whether the backward syncs)
         self.batch = 0  # the open step's share (none yet)
         self.begin(global_batch)
 
@@ -82,7 +87,7 @@ class MicroSteps:
         self.set_sharded_sync = sharded.gradient_sync(model) if sharded.is_sharded(model) else None
         # FSDP2 on one rank copies instead of reduce-scattering: the weight is applied to the gradients then
         self.reduced = grouped and (world_size > 1 or self.set_sharded_sync is None)
-        self.mean_over = model.process_group.size() if isinstance(model, DDP) else 0
+        self.ddp = isinstance(model, DDP)
         self.split(self.planned)
 
     def begin(self, batch: int) -> None:
@@ -101,11 +106,9 @@ class MicroSteps:
         self.loss: torch.Tensor | None = None
         hook = self.hook
         hook.weight = self.batch / self.global_batch
-        hook.output_scale = self.mean_over * hook.weight if self.mean_over else None
-        hook.weighted = not self.mean_over  # DDP: the output hook or ol.backward weights it
-        hook.unhooked = None
+        hook.synced = False
         sync = len(sizes) == 1
-        if not self.mean_over or self.model.require_backward_grad_sync is not sync:  # DDP in sync: nothing to set
+        if not self.ddp or self.model.require_backward_grad_sync is not sync:  # DDP in sync: nothing to set
             self._sync_next_forward(sync)
 
     def syncing(self) -> bool:
@@ -120,7 +123,7 @@ class MicroSteps:
                 f"this step runs as {k} micro-batches (its share is above this worker's memory cap)")
 
     def _sync_next_forward(self, sync: bool) -> None:
-        if self.mean_over:  # DDP (nn.Module's __setattr__ costs every step: set only a change)
+        if self.ddp:  # (nn.Module's __setattr__ costs every step: set only a change)
             if self.model.require_backward_grad_sync is not sync:
                 self.model.require_backward_grad_sync = sync
         elif self.set_sharded_sync is not None:
@@ -133,14 +136,16 @@ class MicroSteps:
             raise RuntimeError(f"ol.backward() called {j + 1} times in one step, but {self._calls()}: one "
                                f"call per micro-batch, then optimizer.step() and ol.step()")
         last = j == k - 1
+        if last and self.ddp and not self.hook.synced and self.model.require_backward_grad_sync:
+            raise RuntimeError(f"ol.backward(): the last micro-batch's forward ran before the syncing point (all "
+                               f"forwards first, then the backwards?), so DDP would not combine this step's gradients "
+                               f"across workers and the replicas would part: with {self._calls()} run each micro-batch's "
+                               "forward and then its ol.backward(loss), in turn")
         if count is None and self.counts is None:
             share: float | torch.Tensor = self.sizes[j] / self.batch
-            scale = share * (self.mean_over * self.hook.weight) if self.mean_over else share
         else:
             share = self._count_scale(j, count, loss, last)
-            scale = share * self._ddp_count_factor(loss) if self.mean_over and last else share
-        self.hook.output_scale, self.hook.weighted = None, True  # the loss carries the weight: outputs stay as they are
-        (loss if isinstance(scale, float) and scale == 1.0 else loss * scale).backward()
+        (loss if isinstance(share, float) and share == 1.0 else loss * share).backward()
         if self.counts is not None and last and not self.reduced:
             self._rescale_local_grads()
         self.done += 1
@@ -163,15 +168,6 @@ class MicroSteps:
             # N = 0 (no term in the whole global batch): every scale above was 0, so the step's gradient is zero
             self.hook.weight = self.base / torch.clamp(total, min=1.0)  # 0-dim float64: no host sync, exact in float64
         return (n / self.base).to(loss.dtype)
-
-    def _ddp_count_factor(self, loss: torch.Tensor) -> torch.Tensor:
-        """DDP, token counts, the last micro-batch: ``n c_i / N`` for it, and for the gradients accumulated so far."""
-        factor = self.mean_over * self.hook.weight
-        if len(self.counts) > 1:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
-        return factor.to(loss.dtype)
 
     def _rescale_local_grads(self) -> None:
         """One process, no hook: apply the hook's factor ``c / N`` to the gradients directly."""

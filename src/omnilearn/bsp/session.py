@@ -133,8 +133,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         self.timer = StepTimer(ctx.device)
         self.emulation = Emulation(cfg, ctx, self.timer)
         self.emulator = self.emulation.delay
-        self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced,
-                              on_mark=self.timer.mark_ready)
+        self.hook = HookState(on_ready=self._local_grads_ready, on_reduced=self.timer.mark_reduced)
         self.loop = make_loop(cfg, ctx.world_size, total_steps)
         self.schedule = BatchSchedule(self.loop.batches)
         self.sampler = VariableBatchSampler(None, self.schedule, ctx.rank, total_steps, cfg.accumulation_steps)
@@ -237,7 +236,6 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
             speeds = speeds.at(step)
             if self.emulation.at_step(speeds) and self.telemetry is not None:
                 self.telemetry.speeds(step, speeds)
-            self.hook.delayed = self.emulator.slowdown > 1.0  # the ready mark before DDP's last bucket (backward.py)
         self.micro.begin(self.schedule.at(step)[self.ctx.rank])
         if self.probe is not None:
             self.probe.begin()
@@ -271,9 +269,6 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
             raise RuntimeError("step() without a batch: iterate the loader from data_loader() and call step() "
                                "once per batch")
         logged = self.micro.finish()
-        if not self.hook.weighted and self.hook.unhooked is not None:
-            raise ConfigError(f"the model's output ({self.hook.unhooked}) holds no tensor that needs a gradient, so "
-                              "OmniLearn cannot weight loss.backward() through it: call ol.backward(loss) instead")
         if logged is None and loss is not None:
             logged = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
         ledger = self.ledger

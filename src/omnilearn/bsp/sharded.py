@@ -15,7 +15,9 @@ given (:func:`prepare`) or refuses it (:func:`refuse_unbalanced`).
 
 Weighting. FSDP2 reduce-scatters each unit's gradients and by default
 averages them over the world size. :func:`prepare` sets every unit's divide
-factor to 1 and its reduce-scatter to :class:`WeightedReduceScatter`: the
+factor to 1 (a factor the user set with ``set_gradient_divide_factor``,
+before or after, is kept and honoured: the weighted sum divided by it) and
+its reduce-scatter to :class:`WeightedReduceScatter`: the
 unit's local gradients (a flat buffer, in the reduce dtype) are multiplied
 by this rank's weight ``b_i / B`` (``count_i / sum(count)`` for token
 losses: a 0-dim device tensor, no host sync) and SUM-reduce-scattered. The
@@ -161,7 +163,8 @@ def prepare(model: nn.Module, weight: Callable[[], Any], before: Callable[[], ob
     for unit in model.modules():
         if not is_sharded(unit):
             continue
-        unit.set_gradient_divide_factor(1.0)
+        if all(getattr(g, "gradient_divide_factor", None) is None for g in param_groups(unit)):
+            unit.set_gradient_divide_factor(1.0)  # a sum; a factor the user set is kept, and honoured (sharded_comms)
         unit.set_custom_reduce_scatter(scatter)
         unit.set_custom_all_gather(gather)
         for param_group in param_groups(unit):

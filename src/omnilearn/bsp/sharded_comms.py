@@ -6,7 +6,13 @@ method: that module's docstring). Per collective, on the hot path:
 - :class:`WeightedReduceScatter` multiplies the unit's flat gradient buffer
   by this rank's weight (a float, or a 0-dim device tensor: no host sync)
   and SUM-reduce-scatters it; :class:`TimedAllGather` all-gathers. Both run
-  the delay emulator's ``before`` first.
+  the delay emulator's ``before`` first. FSDP2 passes the reduction it wants
+  (``op``, from the unit's gradient divide factor, which :func:`~omnilearn.bsp.sharded.prepare`
+  sets to 1: ``PREMUL_SUM(1.0)`` in float32/bfloat16, ``SUM`` where it
+  divides itself): it is honoured on top of the weighting (:func:`op_factor`:
+  ``PREMUL_SUM(f)`` multiplies by ``f`` too, ``AVG`` divides by the group's
+  size, as a divide factor set later with ``set_gradient_divide_factor``
+  asks), and any other reduction is refused in one line.
 - CPU: each call, and each unit's ``wait_for_unshard`` and
   ``finalize_backward``, adds its host wall time to ``blocked``
   (:class:`HostWait`). The process CPU time meanwhile (gloo's threads moving
@@ -81,6 +87,22 @@ class _Timed:
         return self.host.run(call, *args, **kwargs)
 
 
+def op_factor(op: Any, group: Any) -> Any:
+    """The factor the reduction ``op`` FSDP2 asks for applies to a sum (see the module docstring); raises
+    :class:`~omnilearn.config.ConfigError` for a reduction that is no scaled sum."""
+    kind = getattr(op, "op", op)  # a ReduceOp object (PREMUL_SUM carries its factor) or a RedOpType
+    if op is None or kind == dist.ReduceOp.SUM:
+        return 1.0
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return op.factor
+    if kind == dist.ReduceOp.AVG:
+        return 1.0 / group.size()
+    from omnilearn.config import ConfigError
+
+    raise ConfigError(f"FSDP2 asked OmniLearn's weighted reduce-scatter for a {kind} reduction, which is no "
+                      "weighted sum: keep FSDP2's default reduction (a gradient divide factor is honoured)")
+
+
 class WeightedReduceScatter(_Timed):
     """FSDP2's reduce-scatter with this rank's weight applied first and a SUM (see the module docstring)."""
 
@@ -90,11 +112,11 @@ class WeightedReduceScatter(_Timed):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any = None, async_op: bool = False):
-        weight = self.weight()
+        weight, factor = self.weight(), op_factor(op, group)
         if torch.is_tensor(weight):
-            input_tensor.mul_(weight.to(input_tensor.dtype))
-        elif weight != 1.0:
-            input_tensor.mul_(weight)
+            input_tensor.mul_(weight.to(input_tensor.dtype) * factor)
+        elif weight * factor != 1.0:
+            input_tensor.mul_(weight * factor)
         return self.timed(_REDUCE_SCATTER, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group,
                           async_op=async_op)
 

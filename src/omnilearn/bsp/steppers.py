@@ -44,7 +44,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from omnilearn.bsp import memory, sharded
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from omnilearn.bsp import memory, replicas, sharded
 from omnilearn.balance.controllers import Decision
 from omnilearn.bsp.interval import Meeting, window_meeting
 from omnilearn.decisions import (CHECK, INTERVAL, check, checks_pay, feed, interval_step_s, reset_asked,
@@ -165,8 +167,14 @@ class IntervalEnds:
         rows = self.ledger.take_rows()
         meeting = window_meeting(self.ctx, self.loop, self.schedule, INTERVAL, step, self.steps_done, rows,
                                  stop_requested(), cap=self.memory.reported(), reset=self.resets.report(),
-                                 slots=self.slots)
+                                 slots=self.slots, fingerprint=self.replica_fingerprint())
         self._started(WindowRead(meeting, INTERVAL, step, rows))
+
+    def replica_fingerprint(self) -> tuple[float, float]:
+        """This rank's replica fingerprint for a meeting (:mod:`omnilearn.bsp.replicas`): DDP replicas only."""
+        if not isinstance(self.model, DDP) or self.world_size < 2:
+            return replicas.NONE
+        return replicas.fingerprint(self.model)
 
     def _check(self, step: int) -> None:
         """A look at the steps since the last check: the loop decides if some worker's speed clearly shifted."""

@@ -1,14 +1,17 @@
-"""Wrapping the user's model: DDP on its own C++ path, weighted, and a guarded ``no_sync``.
+"""Wrapping the user's model: DDP with the weighted sum as its communication hook, and a guarded ``no_sync``.
 
 :func:`wrap` moves the model to the rank's device and, in a process group,
-wraps it in :class:`BalancedDDP`: DDP with no comm hook (its C++ reducer
-averages and all-reduces the buckets; buffers are not broadcast from rank 0
-every forward: the session averages them by batch share), whose syncing
-forward hands its output to :class:`~omnilearn.bsp.backward.BackwardMarks`
-(the weight, and the ready and reduced marks of the step).
+wraps it in :class:`BalancedDDP`: DDP whose communication hook is
+:func:`~omnilearn.bsp.backward.weighted_sum` (each bucket times this rank's
+weight, summed: the one weighting, and the step's ready and reduced marks;
+buffers are not broadcast from rank 0 every forward: the session averages
+them by batch share). Its syncing forward tells the session it ran
+(``HookState.synced``), so a syncing backward without one is refused before
+it runs (:mod:`omnilearn.bsp.micro`). Another comm hook is refused: it would
+replace the weighting (``register_comm_hook``).
 
 The model holds the process group (DDP's C++ reducer and logger, its
-``process_group``): while it does, destroying the group
+``process_group``, the hook's state): while it does, destroying the group
 leaves its gloo threads and sockets running on into interpreter
 finalisation, where a gloo thread that must take the GIL aborts the process
 (docs/failures.md, "The abort at exit"). :func:`release` makes a
@@ -59,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from omnilearn.bsp.sharded import is_sharded, sharded_inside
 from omnilearn.config import ConfigError
 from omnilearn.distributed import group
-from omnilearn.bsp.backward import BackwardMarks, HookState
+from omnilearn.bsp.backward import HookState, weighted_sum
 
 # Buffers are averaged by the session, not copied from rank 0 every forward (the flag's name changed in torch 2.13).
 NO_BUFFER_BROADCAST = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
@@ -89,12 +92,11 @@ class BalancedDDP(DDP):
                               "(optimizer = accelerator.prepare(optimizer))")
         if seen is None or type(self) is not seen[0] or type(seen[1]) is not seen[2]:
             self._check_sharding(seen is None)
-        out = super().forward(*inputs, **kwargs)
         if self.require_backward_grad_sync and torch.is_grad_enabled():
-            marks = own.get("marks")
-            if marks is not None:
-                marks.on_output(out)
-        return out
+            hook = own.get("hook")
+            if hook is not None:
+                hook.synced = True  # the next backward of this graph syncs (micro.py checks the syncing backward)
+        return super().forward(*inputs, **kwargs)
 
     def _check_sharding(self, first: bool) -> None:
         """Refuse a model sharded after ``ol.wrap_model``: the root (any forward), or any module or parameter inside
@@ -108,6 +110,12 @@ class BalancedDDP(DDP):
                               "(each block, then the root), then model = ol.wrap_model(model)")
         self.__dict__["types_checked"] = (type(self), module, type(module))
 
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise ConfigError(f"model.register_comm_hook({getattr(hook, '__name__', hook)}): OmniLearn's model already "
+                          "reduces with its own hook (each worker's gradient weighted by its batch share, summed), "
+                          "which another hook would replace; drop the comm hook (gradient compression is not "
+                          "supported) and use torch.autocast for reduced precision")
+
     def no_sync(self):
         raise RuntimeError(
             "model.no_sync() is not supported on an OmniLearn model: the accumulated gradients would all be "
@@ -117,8 +125,8 @@ class BalancedDDP(DDP):
 
 # DDP keywords that change how gradients are reduced, outside what the weighting and the step's marks assume.
 UNWEIGHTED_DDP_KWARGS = {
-    "mixed_precision": "DDP's own mixed precision casts the gradients in a comm hook of its own; use torch.autocast "
-                       "instead",
+    "mixed_precision": "DDP's own mixed precision casts the gradients in a comm hook of its own, beside OmniLearn's; "
+                       "use torch.autocast instead",
     "delay_all_reduce_named_params": "those parameters are all-reduced after the backward, outside the step's "
                                      "weighted timing; drop it",
     "param_to_hook_all_reduce": "it all-reduces outside the step's weighted timing; drop it",
@@ -141,8 +149,8 @@ def wrap(model: nn.Module, device: torch.device, grouped: bool, hook: HookState,
     ids = [device] if device.type == "cuda" else None
     model = BalancedDDP(model, device_ids=ids, **{**NO_BUFFER_BROADCAST, **ddp_kwargs})
     hook.process_group = model.process_group
-    params = list(model.module.parameters())
-    model.__dict__["marks"] = BackwardMarks(hook, params, static=not model.find_unused_parameters)
+    DDP.register_comm_hook(model, hook, weighted_sum)  # the one weighting (backward.py); refused to anyone else
+    model.__dict__["hook"] = hook
     _WRAPPED.add(model)
     group.before_destroy(release_wrapped)
     return model
@@ -151,16 +159,15 @@ def wrap(model: nn.Module, device: torch.device, grouped: bool, hook: HookState,
 def release(model: nn.Module | None) -> None:
     """Make a :class:`BalancedDDP` let go of its process group (idempotent; anything else is left alone).
 
-    Drops DDP's reducer and logger (C++: the reducer holds the group), its
-    ``process_group`` and the marks' hooks and group, so that destroying the
+    Drops DDP's reducer and logger (C++: the reducer holds the group and
+    the comm hook), its ``process_group`` and the hook state's group, so that destroying the
     group ends its threads there and then. Call it once no rank syncs any more.
     """
     if not isinstance(model, BalancedDDP):
         return
-    marks = model.__dict__.pop("marks", None)
-    if marks is not None:
-        marks.remove()
-        marks.state.process_group = None
+    hook = model.__dict__.pop("hook", None)
+    if hook is not None:
+        hook.process_group = None
     for name in _HOLDS_GROUP:
         model.__dict__.pop(name, None)
     _WRAPPED.discard(model)

@@ -1,0 +1,1 @@
+"""The exactness conformance matrix (see :mod:`exactness.matrix`)."""
