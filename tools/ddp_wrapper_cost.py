@@ -1,11 +1,11 @@
-"""What OmniLearn's DDP wrapper and its backward marks cost, apart from the loader and ``ol.step``.
+"""What OmniLearn's DDP wrapper and its weighted comm hook cost, apart from the loader and ``ol.step``.
 
 Two ranks on CPU (gloo), one tiny MLP per variant, forward and backward only (no optimizer, no loader), each
 variant trained in turn for ``--reps`` rounds of ``--steps`` steps, in the same processes: plain DDP (twice, two
 identical instances: the spread between them is this comparison's floor), DDP without buffer sync (as
 ``ol.wrap_model`` builds it), a trivial subclass that only calls ``super().forward``, OmniLearn's
-:class:`~omnilearn.bsp.wrap.BalancedDDP` without marks, and with its marks (the parameter hook and the engine
-callbacks, calling no-op session methods). Prints rank 0's median training-thread CPU and wall per step.
+:class:`~omnilearn.bsp.wrap.BalancedDDP` without its hook, and with it (the weighted sum per bucket, the marks
+in the last bucket's call and the engine callbacks, calling no-op session methods). Prints rank 0's median training-thread CPU and wall per step.
 
 A benchmark, not a test: run it alone (``OMP_NUM_THREADS=1``: one core per rank).
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from omnilearn.bsp.backward import BackwardMarks, HookState
+from omnilearn.bsp.backward import HookState, weighted_sum
 from omnilearn.bsp.wrap import NO_BUFFER_BROADCAST, BalancedDDP
 
 
@@ -66,12 +66,11 @@ def main() -> None:
     torch.set_num_threads(1)
     sink = Sink()
     marked = BalancedDDP(net(), **NO_BUFFER_BROADCAST)
-    state = HookState(on_ready=sink.ready, on_reduced=sink.reduced)
-    state.output_scale = 1.0  # equal shares: nothing multiplied, as at HL1
-    marked.__dict__["marks"] = BackwardMarks(state, list(marked.module.parameters()))
+    state = HookState(process_group=marked.process_group, weight=0.5, on_ready=sink.ready, on_reduced=sink.reduced)
+    DDP.register_comm_hook(marked, state, weighted_sum)  # equal shares (HL1): each bucket times 1/2, summed
     models = {"plain DDP": DDP(net()), "plain DDP (2nd)": DDP(net()),
               "DDP, no buffer sync": DDP(net(), **NO_BUFFER_BROADCAST), "subclass": Sub(net()),
-              "BalancedDDP": BalancedDDP(net(), **NO_BUFFER_BROADCAST), "BalancedDDP + marks": marked}
+              "BalancedDDP": BalancedDDP(net(), **NO_BUFFER_BROADCAST), "BalancedDDP + hook": marked}
     x, y = torch.randn(128, 40), torch.randint(0, 10, (128,))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
     for _ in range(args.reps):
