@@ -22,8 +22,23 @@ cannot be made are left out by :func:`not_generated`, which says why.
 
 The ranks of one world size run all of its cells in the same processes, one
 session after another (:mod:`exactness.runner`); each cell's result is a line
-of JSON. Run: ``python -m pytest -q tests/exactness`` (``-p no:randomly``
-to keep the order).
+of JSON.
+
+The doors. Everything above is the plain API (``omnilearn.setup``,
+``ol.wrap_model``, ``ol.data_loader``, ``ol.backward``, ``ol.step``) and FSDP2.
+The same check through each framework door, with that framework's own step
+shapes (Hugging Face ``Trainer`` via ``OmniLearnTrainer``, a custom
+``accelerate`` loop, Lightning's ``OmniLearnStrategy``, Lightning Fabric,
+Keras ``fit`` via ``ol.fit`` and the TensorFlow custom loop), is the door
+dimension: a table of (door, shape) lines in :mod:`exactness.doors`, cells
+(door, shape, split) run by one launch per framework family
+(:mod:`exactness.door_torch` with :mod:`exactness.door_hf` and
+:mod:`exactness.door_lightning`; :mod:`exactness.door_tf` in real TensorFlow
+workers), tested by ``test_doors.py``. Its TensorFlow reference is plain
+Keras in one process.
+
+Run: ``python -m pytest -q tests/exactness`` (``-p no:randomly`` to keep the
+order; ``tests/exactness/test_doors.py`` for the doors alone).
 """
 
 from __future__ import annotations

@@ -160,18 +160,27 @@ def run_cell(cell: Cell) -> dict:
     """One cell on this rank: ``{"rel": ...}`` or ``{"raised": ...}``. One ``all_gather_object`` (the ranks' cell
     ids, indices or errors) checks that the ranks are in step and gives each step's global batch in rank order."""
     net, seen = train_cell(cell)
+    gathered = gather_seen(cell.id, seen)
+    if isinstance(gathered, dict):
+        return gathered
+    steps = tuple(tuple(i for rank_seen in gathered for i in rank_seen[s]) for s in range(STEPS))
+    expected = reference(cell.loss, PATTERNS[cell.pattern].autocast, steps)
+    return {"rel": max_relative(weights(net), expected)}
+
+
+def gather_seen(cell_id: str, seen) -> list | dict:
+    """Every rank's ``seen`` (its indices per step, or its error), in rank order; or ``{"raised": ...}`` where a
+    rank raised. One ``all_gather_object``, which also checks that the ranks run the same cell."""
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (cell.id, seen))
-    if any(other != cell.id for other, _ in gathered):
+    dist.all_gather_object(gathered, (cell_id, seen))
+    if any(other != cell_id for other, _ in gathered):
         raise RuntimeError(f"ranks out of step: cells {[other for other, _ in gathered]}")
     if isinstance(seen, str):
         return {"raised": seen}
     raised = [(r, other) for r, (_, other) in enumerate(gathered) if isinstance(other, str)]
     if raised:
         return {"raised": f"(on rank {raised[0][0]} only, not here) {raised[0][1]}"}
-    steps = [[i for _, rank_seen in gathered for i in rank_seen[s]] for s in range(STEPS)]
-    expected = reference(cell.loss, PATTERNS[cell.pattern].autocast, tuple(map(tuple, steps)))
-    return {"rel": max_relative(weights(net), expected)}
+    return [other for _, other in gathered]
 
 
 def worker(rank: int, world: int, store: str, out: str, todo: list[Cell]) -> None:

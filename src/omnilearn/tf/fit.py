@@ -186,13 +186,21 @@ def refuse_args(given: dict[str, Any]) -> None:
                           f"fit() got an unknown keyword {name}={value!r}; see omnilearn.tf.fit for what it takes")
 
 
+MULTI_OUTPUT_ROUTE = ("for a model with several outputs use the custom loop: ol.wrap(model, optimizer, loss=a "
+                      "callable of (y, outputs) returning per-sample losses or their mean) and ol.step(x, y)")
+
+
 def compiled_loss(model: keras.Model) -> Callable:
     """The loss ``model.compile`` was given, as a callable (refusing what OmniLearn's step cannot weight)."""
     if not getattr(model, "compiled", False) or getattr(model, "loss", None) is None or model.optimizer is None:
         raise ConfigError("ol.fit(model): compile it first, in ol.scope(): model.compile(optimizer=..., loss=...)")
     if isinstance(model.loss, (list, tuple, dict)):
-        raise ConfigError(f"ol.fit(model): a multi-output loss ({type(model.loss).__name__}) is not supported yet; "
-                          "compile with one loss")
+        raise ConfigError(f"ol.fit(model): a loss per output ({len(model.loss)} given to model.compile) is not "
+                          f"supported by ol.fit yet; {MULTI_OUTPUT_ROUTE}")
+    outputs = getattr(model, "outputs", None)  # a functional or built Sequential model's
+    if outputs is not None and len(outputs) > 1:
+        raise ConfigError(f"ol.fit(model): the model has {len(outputs)} outputs and model.compile one loss, which "
+                          f"Keras applies per output (one label each, the losses summed); {MULTI_OUTPUT_ROUTE}")
     if getattr(model, "steps_per_execution", 1) != 1:
         raise ConfigError(f"model.compile(steps_per_execution={model.steps_per_execution}): ol.fit runs one step "
                           "per call; leave it at 1")

@@ -34,12 +34,18 @@ class FitStep(TrainStep):
     """
 
     def __init__(self, *args: Any, metrics: "Reduced") -> None:
-        super().__init__(*args)
+        super().__init__(*args, model_losses=False)  # added here, as Keras' compute_loss adds them
         self.per_sample_loss, self.loss = self.loss, self._loss
         self.metrics, self.table = metrics, None
 
     def _loss(self, y, y_pred):
         """Per-sample loss plus the model's regularisation losses (as Keras' ``compute_loss`` adds them)."""
+        if isinstance(y_pred, (list, tuple, dict)):  # a subclassed model with several outputs (seen when traced)
+            from omnilearn.tf.fit import MULTI_OUTPUT_ROUTE
+
+            self.refusal = (f"ol.fit(model): the model returned {len(y_pred)} outputs and model.compile has one "
+                            f"loss; {MULTI_OUTPUT_ROUTE}")  # raised once traced (TrainStep.traced)
+            y_pred = tf.nest.flatten(y_pred)[0]
         losses = self.per_sample_loss(y, y_pred)
         extra = self.model.losses
         return losses + tf.cast(tf.add_n(extra), losses.dtype) if extra else losses
@@ -47,9 +53,7 @@ class FitStep(TrainStep):
     def __call__(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         if self.function is None:
             self.metrics.build_for(self.model, x, y)
-            spec = [tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
-                    tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)), tf.TensorSpec((), tf.float64)]
-            self.function = tf.function(self._run, input_signature=spec)
+            self.function = self.traced(x, y)
         loss, table = self.function(x, y, tf.constant(scale, tf.float64))
         local = self.strategy.experimental_local_results
         self.table = local(table)[0].numpy()

@@ -181,15 +181,20 @@ class TFSession:
         """``with ol.scope():`` build the model and optimizer here (their variables are mirrored)."""
         return self.strategy.scope()
 
-    def wrap(self, model, optimizer, loss, step: type[TrainStep] = TrainStep) -> None:
+    def wrap(self, model, optimizer, loss, step: type[TrainStep] = TrainStep, *, model_losses: bool | None = None,
+             **step_kwargs) -> None:
         """Compile the weighted step for ``model`` (built in :meth:`scope`) with ``optimizer`` and ``loss``.
 
+        ``model_losses``: add ``model.losses`` (``add_loss``, regularisers) to the loss (True), or leave them to
+        ``loss`` (False); unset, a model that has some is refused at its first step (:mod:`omnilearn.tf.steps`).
         ``step``: the step's class (:mod:`omnilearn.tf.fit` passes one that also carries the metrics).
         """
         if self.train_step is not None:
             raise RuntimeError("wrap() was already called: one model per session")
         self.model, self.optimizer = model, optimizer
-        self.train_step = step(self.strategy, model, optimizer, loss, self._local_grads_ready)
+        if model_losses is not None:
+            step_kwargs["model_losses"] = model_losses
+        self.train_step = step(self.strategy, model, optimizer, loss, self._local_grads_ready, **step_kwargs)
         model.fit = refuse_model_fit  # Keras' own fit fails under this strategy (PerReplica); say what to call
         self._maybe_restore()
 

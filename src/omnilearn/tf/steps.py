@@ -34,7 +34,12 @@ Keras losses divide by the number of replicas under ``tf.distribute``
 (``scale_loss_for_distribution``); a Keras ``Loss`` object is therefore
 used per sample (its reduction set to none) and averaged here, so no
 replica scaling enters the gradient. A plain callable must return the
-per-sample losses or their mean over this worker's batch.
+per-sample losses or their mean over this worker's batch. The model's own
+losses (``model.losses``: ``add_loss``, kernel regularisers) are added when
+``model_losses=True`` (as Keras' ``fit`` adds them), left to the loss
+callable when ``False``; a model that has some while ``model_losses`` is
+unset is refused at its first step, in one line: dropping them silently
+trained another model than the Keras guide's loop.
 
 :class:`Gather`: every worker fills its own row of an ``n x k`` float64
 table and one SUM all-reduce gives every worker all rows.
@@ -62,18 +67,31 @@ class TrainStep:
     """``step(x, y, scale)`` -> this worker's mean loss; see the module docstring."""
 
     def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model, optimizer, loss: Callable,
-                 before_sync: Callable[[], None]) -> None:
+                 before_sync: Callable[[], None], model_losses: bool | None = None) -> None:
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.model_losses = model_losses
+        self.refusal: str | None = None  # what tracing found it cannot weight (raised before the first step)
         self.loss, self.before_sync = per_sample(loss), before_sync
         self.function: Callable | None = None
 
     def __call__(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         if self.function is None:  # the signature from the first batch, any batch size
-            spec = [tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
-                    tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)), tf.TensorSpec((), tf.float64)]
-            self.function = tf.function(self._run, input_signature=spec)
+            self.function = self.traced(x, y)
         out = self.function(x, y, tf.constant(scale, tf.float64))  # b_i/B, exact; cast to each gradient's dtype
         return float(self.strategy.experimental_local_results(out)[0])
+
+    def traced(self, x: np.ndarray, y: np.ndarray):
+        """The step's ``tf.function`` for batches like ``(x, y)``, traced; raises what the trace refused (one line,
+        before any step ran: an exception raised inside a trace reaches the caller as a multi-line StagingError)."""
+        spec = [tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
+                tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)), tf.TensorSpec((), tf.float64)]
+        function = tf.function(self._run, input_signature=spec)
+        function.get_concrete_function()
+        if self.refusal is not None:
+            from omnilearn.config import ConfigError
+
+            raise ConfigError(self.refusal)
+        return function
 
     @property
     def traces(self) -> int:
@@ -82,6 +100,19 @@ class TrainStep:
 
     def _run(self, x, y, scale):
         return self.strategy.run(self._replica, args=(x, y, scale))
+
+    def _model_losses(self):
+        """The model's own losses to add (0 where there are none or the loss callable adds them)."""
+        extra = self.model.losses
+        if not extra or self.model_losses is False:
+            return 0.0
+        if self.model_losses is None:  # refused once traced (traced())
+            self.refusal = (f"the model has {len(extra)} loss(es) of its own (model.losses: add_loss, kernel "
+                            "regularizers) that ol.step would not add: ol.wrap(model, optimizer, loss, "
+                            "model_losses=True) adds them as Keras' fit does; model_losses=False if your loss "
+                            "callable adds them")
+            return 0.0
+        return tf.add_n(extra)
 
     def rider(self, y, pred, loss, dtype):
         """A tensor to SUM all-reduce with the step's gradients (``dtype``: theirs), or None: nothing (here).
@@ -94,7 +125,7 @@ class TrainStep:
         variables = self.model.trainable_variables
         with tf.GradientTape() as tape:
             pred = self.model(x, training=True)
-            loss = tf.reduce_mean(self.loss(y, pred))
+            loss = tf.reduce_mean(self.loss(y, pred)) + self._model_losses()
             scaled = self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
         grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in tape.gradient(scaled, variables)]
         ready = tf.py_function(self._ready, [g for g in grads if g is not None], tf.float32)  # after every gradient
