@@ -68,7 +68,7 @@ import tensorflow as tf
 
 from omnilearn.config import ConfigError
 from omnilearn.tf.data import examples
-from omnilearn.tf.reduced import FitStep, Reduced
+from omnilearn.tf.reduced import MULTI_OUTPUT_ROUTE, FitStep, Reduced
 
 WORKER_0_ONLY = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
                  keras.callbacks.ProgbarLogger, keras.callbacks.RemoteMonitor)
@@ -184,10 +184,6 @@ def refuse_args(given: dict[str, Any]) -> None:
         why = REFUSED_ARGS.get(name)
         raise ConfigError(f"fit({name}={value!r}): {why}" if why else
                           f"fit() got an unknown keyword {name}={value!r}; see omnilearn.tf.fit for what it takes")
-
-
-MULTI_OUTPUT_ROUTE = ("for a model with several outputs use the custom loop: ol.wrap(model, optimizer, loss=a "
-                      "callable of (y, outputs) returning per-sample losses or their mean) and ol.step(x, y)")
 
 
 def compiled_loss(model: keras.Model) -> Callable:

@@ -26,6 +26,10 @@ import tensorflow as tf
 from omnilearn.tf.steps import Gather, TrainStep
 
 
+MULTI_OUTPUT_ROUTE = ("for a model with several outputs use the custom loop: ol.wrap(model, optimizer, loss=a "
+                      "callable of (y, outputs) returning per-sample losses or their mean) and ol.step(x, y)")
+
+
 class FitStep(TrainStep):
     """The weighted step that adds ``model.losses`` and carries the metrics (:class:`Reduced`) on its all-reduce.
 
@@ -41,8 +45,6 @@ class FitStep(TrainStep):
     def _loss(self, y, y_pred):
         """Per-sample loss plus the model's regularisation losses (as Keras' ``compute_loss`` adds them)."""
         if isinstance(y_pred, (list, tuple, dict)):  # a subclassed model with several outputs (seen when traced)
-            from omnilearn.tf.fit import MULTI_OUTPUT_ROUTE
-
             self.refusal = (f"ol.fit(model): the model returned {len(y_pred)} outputs and model.compile has one "
                             f"loss; {MULTI_OUTPUT_ROUTE}")  # raised once traced (TrainStep.traced)
             y_pred = tf.nest.flatten(y_pred)[0]
