@@ -1,7 +1,9 @@
 """``tools/hl1_breakdown.py`` (and its FSDP2 twin): their refusals, and the interval it prints around the median ratio.
 
 The interval resamples the pairs: with nothing but noise between the loops it must contain 1, and it must
-narrow as the pairs grow (what lets a reader tell a 3% cost from the machine's spread).
+narrow as the pairs grow (what lets a reader tell a 3% cost from the machine's spread). The refusals run each
+tool's ``main()`` in this process (argparse's exit 2, its one ``error:`` line, no process group made): a
+subprocess each cost an import of torch, 4-6 s apiece, 50 s of the suite (issue 53).
 
 Run: ``python -m pytest -q tests/unit/test_hl1_tool.py``
 """
@@ -9,9 +11,7 @@ Run: ``python -m pytest -q tests/unit/test_hl1_tool.py``
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,11 +21,29 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "hl1_breakdown.py"
 FSDP2_TOOL = TOOL.with_name("fsdp2_breakdown.py")
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("hl1_breakdown", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def load_tool(path: Path = TOOL):
+    sys.path.insert(0, str(path.parent))  # fsdp2_breakdown imports hl1_breakdown's helpers
+    try:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
+
+
+def refused(tool: Path, args: list[str], monkeypatch, capsys) -> str:
+    """``tool``'s ``main()`` with ``args``, in this process, from the repository root: its stderr; it must exit 2
+    and leave no process group."""
+    import torch.distributed as dist
+
+    monkeypatch.chdir(tool.parents[1])
+    monkeypatch.setattr(sys, "argv", [str(tool), *args])
+    main = load_tool(tool).main
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2 and not dist.is_initialized()
+    return capsys.readouterr().err
 
 
 def test_the_interval_holds_the_median_and_narrows_with_more_pairs():
@@ -52,17 +70,13 @@ def test_the_interval_holds_the_median_and_narrows_with_more_pairs():
     (FSDP2_TOOL, ["--vocab", "0"], "--vocab 0: give 1 or more"),
     (FSDP2_TOOL, [], "torchrun --standalone --nproc-per-node 2 tools/fsdp2_breakdown.py"),
 ])
-def test_bad_arguments_are_refused_in_one_line_before_any_process_group(tool, args, named):
-    env = {k: v for k, v in os.environ.items() if k != "RANK"}
-    done = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=120, env=env,
-                          cwd=tool.parents[1])
-    assert done.returncode == 2
-    assert named in done.stderr and "Traceback" not in done.stderr
-    assert len([line for line in done.stderr.splitlines() if "error" in line]) == 1
+def test_bad_arguments_are_refused_in_one_line_before_any_process_group(tool, args, named, monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    err = refused(tool, args, monkeypatch, capsys)
+    assert named in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
 
 
-def test_fsdp2_tool_refuses_heads_that_do_not_divide_the_width():
-    env = {**os.environ, "RANK": "0"}  # past the torchrun check: the width's refusal comes before any group
-    done = subprocess.run([sys.executable, str(FSDP2_TOOL), "--heads", "3"], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert done.returncode == 2 and "--width 64 is not a multiple of --heads 3" in done.stderr
+def test_fsdp2_tool_refuses_heads_that_do_not_divide_the_width(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")  # past the torchrun check: the width's refusal comes before any group
+    assert "--width 64 is not a multiple of --heads 3" in refused(FSDP2_TOOL, ["--heads", "3"], monkeypatch, capsys)
