@@ -33,12 +33,6 @@ pytestmark = pytest.mark.dist
 WEIGHTS = (5 / 17, 12 / 17, 1.0)
 
 
-def local_gradient(rank: int) -> torch.Tensor:
-    """d/dW of ``sum(x W^T)`` for this rank's input: every entry is the column sum of ``x``."""
-    x = inputs(rank)
-    return x.sum(0).expand(2, 4).clone()
-
-
 def inputs(rank: int) -> torch.Tensor:
     return torch.arange(12, dtype=torch.float64).reshape(3, 4) * (rank + 1) / 7
 

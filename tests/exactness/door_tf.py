@@ -158,7 +158,7 @@ def run_cell(door: str, shape: str, split: list[int], x, y, index: dict) -> tupl
 
 
 # ol.wrap's model_losses per shape (unset elsewhere: a model with losses of its own is refused)
-MODEL_LOSSES = {"add_loss_added": True, "add_loss_in_callable": False}
+MODEL_LOSSES = {"add_loss_added": True, "add_loss_in_callable": False, "add_loss_flag_typo": "yes"}
 
 
 def worker(out: Path, cells: list[list]) -> None:

@@ -96,6 +96,7 @@ DOOR_SHAPES: tuple[DoorShape, ...] = (
     # model_losses unset: refused (model.losses were dropped silently, 9e-4 to 2e-3 off, until 2026-12-07)
     DoorShape("tf_loop", "add_loss", "keras", refusal="model.losses"),
     DoorShape("tf_loop", "add_loss_added", "keras"),  # ol.wrap(..., model_losses=True): OmniLearn adds them
+    DoorShape("tf_loop", "add_loss_flag_typo", "keras", refusal="model_losses='yes'"),  # neither True nor False
     DoorShape("tf_loop", "add_loss_in_callable", "keras"),  # the loss callable adds model.losses itself
     DoorShape("tf_loop", "control_off_by_1pct", "keras", control=True),  # the loss x 1.01 on worker 0
 )

@@ -181,8 +181,8 @@ class TFSession:
         """``with ol.scope():`` build the model and optimizer here (their variables are mirrored)."""
         return self.strategy.scope()
 
-    def wrap(self, model, optimizer, loss, step: type[TrainStep] = TrainStep, *, model_losses: bool | None = None,
-             **step_kwargs) -> None:
+    def wrap(self, model, optimizer, loss, step: type[TrainStep] = TrainStep, *,
+             model_losses: bool | None = None) -> None:
         """Compile the weighted step for ``model`` (built in :meth:`scope`) with ``optimizer`` and ``loss``.
 
         ``model_losses``: add ``model.losses`` (``add_loss``, regularisers) to the loss (True), or leave them to
@@ -191,10 +191,12 @@ class TFSession:
         """
         if self.train_step is not None:
             raise RuntimeError("wrap() was already called: one model per session")
+        if model_losses not in (None, True, False):
+            raise ConfigError(f"ol.wrap(model_losses={model_losses!r}): give True (OmniLearn adds model.losses) or "
+                              "False (your loss callable adds them)")
         self.model, self.optimizer = model, optimizer
-        if model_losses is not None:
-            step_kwargs["model_losses"] = model_losses
-        self.train_step = step(self.strategy, model, optimizer, loss, self._local_grads_ready, **step_kwargs)
+        chosen = {} if model_losses is None else {"model_losses": model_losses}  # ol.fit's step adds them itself
+        self.train_step = step(self.strategy, model, optimizer, loss, self._local_grads_ready, **chosen)
         model.fit = refuse_model_fit  # Keras' own fit fails under this strategy (PerReplica); say what to call
         self._maybe_restore()
 

@@ -55,6 +55,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from omnilearn.config import ConfigError
+
 
 def per_sample(loss: Callable) -> Callable:
     """A Keras ``Loss`` with its reduction set to none (no replica scaling); any other callable as it is."""
@@ -88,8 +90,6 @@ class TrainStep:
         function = tf.function(self._run, input_signature=spec)
         function.get_concrete_function()
         if self.refusal is not None:
-            from omnilearn.config import ConfigError
-
             raise ConfigError(self.refusal)
         return function
 
