@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import suitecost
 
 # What torchrun sets (and Hugging Face's accelerate sets in a process of its own): left behind by a test, the
 # next launch reads it as "under torchrun" ("--workers 2 does not match torchrun's WORLD_SIZE 1").
@@ -67,3 +68,35 @@ def _no_leftover_stop_handlers():
 
     stopping.restore_handlers()
     stopping.clear()
+
+
+# ------------------------------------------------------------------ the suite's cost: dearest files first, a budget
+_COSTS, _BUDGET = suitecost.load()
+_SECONDS: list[tuple[str, float]] = []  # (nodeid, seconds) of every phase, on the xdist controller (or alone)
+_REPORT: list[str] = []
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The dearest files first (tests/suitecost.py): xdist hands out whole files in this order."""
+    items[:] = suitecost.order(items, lambda item: item.nodeid, _COSTS)
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS.append((report.nodeid, report.duration))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A whole run (not a worker's part, not a chosen file): the slowest files, and exit 1 when one is over budget."""
+    if hasattr(session.config, "workerinput"):
+        return
+    files = suitecost.per_file(_SECONDS)
+    if len(files) < suitecost.WHOLE_RUN_FILES or exitstatus not in (0, 1):
+        return
+    _REPORT[:] = suitecost.report(files, _BUDGET)
+    if suitecost.over_budget(files, _BUDGET) and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _REPORT:
+        terminalreporter.write_line(line)

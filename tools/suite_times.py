@@ -6,12 +6,16 @@ launches made inside a test included) and teardown seconds, their sum, and the s
 pytest-xdist workers the files' sum is about twice the wall time.
 
     PYTEST_ADDOPTS="--durations=0" python -m pytest -q -n 2 --dist loadfile > suite.log
-    python tools/suite_times.py suite.log [--top 30]
+    python tools/suite_times.py suite.log [--top 30] [--write tests/suite_costs.json]
+
+``--write`` stores each file's seconds in the costs file the suite reads (tests/suitecost.py: the dearest files
+run first, and a whole run fails when one file's share is over the budget stated there).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections import defaultdict
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("log", help="the output of a pytest run with --durations=0")
     ap.add_argument("--top", type=int, default=30, help="how many files (default 30)")
+    ap.add_argument("--write", metavar="JSON", help="also write each file's seconds into this costs file (the "
+                    "suite's order and budget: tests/suite_costs.json), keeping its budget_share")
     args = ap.parse_args(argv)
     if args.top < 1:
         print(f"suite_times: --top {args.top}: give 1 or more", file=sys.stderr)
@@ -61,7 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"suite_times: {path} holds no durations: run pytest with --durations=0", file=sys.stderr)
         return 2
     print("\n".join(table(files, args.top)))
+    if args.write:
+        write_costs(Path(args.write), files)
     return 0
+
+
+def write_costs(path: Path, files: dict[str, dict[str, float]]) -> None:
+    """Each file's summed seconds into ``path`` (a temporary file renamed over it), its ``budget_share`` kept."""
+    budget = json.loads(path.read_text(encoding="utf-8"))["budget_share"] if path.is_file() else 0.06
+    seconds = {name: round(sum(p.values()), 1) for name, p in sorted(files.items(), key=lambda kv: -sum(kv[1].values()))}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"budget_share": budget, "files": seconds}, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

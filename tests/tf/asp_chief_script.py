@@ -16,14 +16,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-SERVER = ("import json, sys, tensorflow as tf; spec = json.loads(sys.argv[1]); "
-          "tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=sys.argv[2], task_index=int(sys.argv[3]), "
-          "protocol='grpc', start=True).join()")
 N, FEATURES, CLASSES, LR = 256, 8, 3, 0.1
 
 
@@ -54,12 +50,14 @@ def main() -> None:
                                                               int(sys.argv[6]))
     bound = None if sys.argv[7] == "none" else int(sys.argv[7])
     kill = (int(sys.argv[8]), int(sys.argv[9])) if len(sys.argv) > 9 else None
-    from omnilearn.tf.cluster import free_ports
-    ports = free_ports(workers + 1)
-    spec = {"worker": [f"localhost:{p}" for p in ports[:workers]], "ps": [f"localhost:{ports[-1]}"]}
-    servers = {(job, i): subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(spec), job, str(i)],
-                                          stderr=subprocess.DEVNULL)
-               for job in ("worker", "ps") for i in range(len(spec[job]))}
+    from omnilearn.experiments.launch.tfforks import ForkServer
+    from omnilearn.tf.servers import local_spec, tasks
+    spec = local_spec(workers)
+    forks = ForkServer(dict(os.environ), Path(os.devnull), [sys.executable, "-m", "omnilearn.tf.servers"],
+                       preload=("tensorflow",))  # the servers import TensorFlow once, not once each
+    servers = {(job, i): forks.start(rank, ["-m", "omnilearn.tf.servers", json.dumps(spec), job, str(i)],
+                                     dict(os.environ), Path(os.devnull), console=False)
+               for rank, (job, i) in enumerate(tasks(spec))}
     try:
         import keras
         import numpy as np
@@ -88,6 +86,7 @@ def main() -> None:
     finally:
         for p in servers.values():
             p.kill()
+        forks.close()
 
 
 if __name__ == "__main__":

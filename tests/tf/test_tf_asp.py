@@ -1,7 +1,8 @@
 """TensorFlow ASP, part one (:mod:`omnilearn.tf.asp`): real ``tf.distribute.Server`` processes, the chief in a third.
 
-Each run is ``tests/tf/asp_chief_script.py``: one parameter server and the workers as processes of their own, the
-chief (the coordinator) in the script's, a float64 MLP on 256 synthetic samples, plain SGD.
+Each run is ``tests/tf/asp_chief_script.py``: one parameter server and the workers as processes of their own
+(forked from one that imported TensorFlow once), the chief (the coordinator) in the script's, a float64 MLP on 256
+synthetic samples, plain SGD.
 
 - Three workers declared at speeds 1, 2, 3 (``static``: batches 16, 32, 48; the delay emulator slows workers
   0 and 1), ``max_staleness=0``: every sample of both epochs applied exactly once, the server's ``version``

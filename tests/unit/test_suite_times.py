@@ -10,6 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import suite_times  # noqa: E402
+import suitecost  # noqa: E402  (tests/, on the path as the suite's helpers are)
 
 LOG = """
 ============================= slowest durations ==============================
@@ -38,3 +39,37 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert suite_times.main([str(empty), "--top", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "no such file" in err[0] and "holds no durations" in err[1] and "--top 0" in err[2]
+
+
+def test_write_keeps_the_budget_and_ranks_the_files(tmp_path):
+    log, costs = tmp_path / "suite.log", tmp_path / "costs.json"
+    log.write_text(LOG)
+    costs.write_text('{"budget_share": 0.07, "files": {"tests/gone.py": 9.0}}')
+    assert suite_times.main([str(log), "--write", str(costs)]) == 0
+    files, budget = suitecost.load(costs)
+    assert budget == 0.07 and list(files) == ["tests/exactness/test_matrix.py", "tests/unit/test_x.py"]
+    assert files["tests/unit/test_x.py"] == 3.1
+
+
+def test_the_dearest_files_run_first_and_each_file_keeps_its_order():
+    ids = ["a.py::t1", "b.py::t1", "a.py::t2", "c.py::t1", "b.py::t2"]
+    assert suitecost.order(ids, str, {"b.py": 5.0, "a.py": 1.0}) == ["b.py::t1", "b.py::t2", "a.py::t1", "a.py::t2",
+                                                                    "c.py::t1"]
+
+
+def test_a_file_over_its_share_fails_the_whole_run_by_name():
+    files = suitecost.per_file([("a.py::t1[x]", 30.0), ("a.py::t1[x]", 1.0), ("b.py::t", 60.0), ("c.py::t", 9.0)])
+    assert files == {"a.py": 31.0, "b.py": 60.0, "c.py": 9.0}
+    assert suitecost.over_budget(files, 0.6) == []
+    assert suitecost.over_budget(files, 0.3) == [("b.py", 0.6), ("a.py", 0.31)]
+    lines = suitecost.report(files, 0.5, top=2)
+    assert len(lines) == 4 and "b.py" in lines[1] and "a.py" in lines[2]
+    assert lines[-1].startswith("suite budget exceeded: b.py takes 60.0%") and "a.py" not in lines[-1]
+    assert not suitecost.report(files, 0.6)[-1].startswith("suite budget exceeded")
+
+
+def test_the_checked_in_costs_name_only_files_that_exist():
+    files, budget = suitecost.load()
+    root = Path(__file__).resolve().parents[2]
+    assert 0 < budget < 0.2 and files
+    assert [name for name in files if not (root / name).is_file()] == []

@@ -33,24 +33,33 @@ from omnilearn.tf.cluster import free_ports
 SERVER_START_S = 1.0  # the servers bind their ports before the chief connects (it retries meanwhile too)
 
 
-@contextmanager
-def local_cluster(workers: int, logs: Path | None = None) -> Iterator[dict]:
-    """One ``ps`` and ``workers`` worker servers on localhost while the block runs; yields the cluster spec."""
+def local_spec(workers: int) -> dict:
+    """The spec of a cluster of one ``ps`` and ``workers`` workers on localhost, on free ports."""
     if workers < 1:
         raise ValueError(f"a parameter-server cluster needs at least one worker, got {workers}")
     ports = free_ports(workers + 1)
-    spec = {"worker": [f"localhost:{p}" for p in ports[:-1]], "ps": [f"localhost:{ports[-1]}"]}
+    return {"worker": [f"localhost:{p}" for p in ports[:-1]], "ps": [f"localhost:{ports[-1]}"]}
+
+
+def tasks(spec: dict) -> list[tuple[str, int]]:
+    """The servers a local cluster starts, in order: the ``ps`` first, then the workers."""
+    return [(job, index) for job in ("ps", "worker") for index in range(len(spec[job]))]
+
+
+@contextmanager
+def local_cluster(workers: int, logs: Path | None = None) -> Iterator[dict]:
+    """One ``ps`` and ``workers`` worker servers on localhost while the block runs; yields the cluster spec."""
+    spec = local_spec(workers)
     servers: list[subprocess.Popen] = []
     try:
-        for job in ("ps", "worker"):
-            for index in range(len(spec[job])):
-                log = subprocess.DEVNULL if logs is None else open(Path(logs) / f"tf-{job}{index}.log", "w")
-                try:
-                    servers.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec), job,
-                                                     str(index)], stdout=subprocess.DEVNULL, stderr=log))
-                finally:
-                    if log is not subprocess.DEVNULL:
-                        log.close()
+        for job, index in tasks(spec):
+            log = subprocess.DEVNULL if logs is None else open(Path(logs) / f"tf-{job}{index}.log", "w")
+            try:
+                servers.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec), job, str(index)],
+                                                stdout=subprocess.DEVNULL, stderr=log))
+            finally:
+                if log is not subprocess.DEVNULL:
+                    log.close()
         time.sleep(SERVER_START_S)
         yield spec
     finally:

@@ -2,8 +2,9 @@
 
 Who does what. The launcher (:func:`run_local`, in the command's own process: it imports no TensorFlow) starts
 one parameter server and ``--workers`` workers on localhost, each a process that only hosts a
-``tf.distribute.Server`` (:func:`omnilearn.tf.servers.local_cluster`; its messages in
-``RUN_DIR/tf-<job><index>.log``), then the chief (``... chief RUN_DIR SPEC``), which
+``tf.distribute.Server`` (:mod:`omnilearn.tf.servers`; its messages in ``RUN_DIR/tf-<job><index>.log``), then
+the chief (``... chief RUN_DIR SPEC``), all forked from one process that imported TensorFlow once
+(:func:`run_forked`; ``OMNILEARN_START_METHOD=spawn``: each a fresh interpreter), which
 trains: :class:`omnilearn.tf.asp.Chief` over the default job's data and Keras model (MNIST-1D, ``cnn1d`` or
 ``mlp``, :mod:`omnilearn.experiments.train.tfjob`) with its optimizer and rate schedule (per push; the PyTorch
 ASP defaults: SGD, no momentum), for ``--epochs``, or ``--max-steps`` steps of ``--workers`` pushes each (the
@@ -27,25 +28,58 @@ from __future__ import annotations
 import json
 import math
 import re
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from omnilearn.experiments.config import TrainConfig, build, load_toml
-from omnilearn.experiments.launch.supervise import WorkerFailed
+from omnilearn.experiments.launch.supervise import WorkerFailed, start_method
+from omnilearn.experiments.launch.tfforks import ForkServer
+
+TF_PRELOAD = ("tensorflow", "keras", "omnilearn.tf.asp")  # what the servers and the chief import
 
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt|Exit)\b.*:")  # a traceback's last line
 
 
 def run_local(cfg: TrainConfig, run_dir: Path) -> None:
-    from omnilearn.tf.servers import local_cluster
+    if start_method() == "spawn":
+        from omnilearn.tf.servers import local_cluster
 
-    with local_cluster(cfg.workers, logs=run_dir) as spec, open(run_dir / "tf-chief.log", "w") as log:
-        code = subprocess.run([sys.executable, "-m", __name__, "chief", str(run_dir), json.dumps(spec)],
-                              stderr=log).returncode
+        with local_cluster(cfg.workers, logs=run_dir) as spec, open(run_dir / "tf-chief.log", "w") as log:
+            code = subprocess.run([sys.executable, "-m", __name__, "chief", str(run_dir), json.dumps(spec)],
+                                  stderr=log).returncode
+    else:
+        code = run_forked(cfg.workers, run_dir)
     if code:
         raise WorkerFailed(f"the TensorFlow ASP chief failed (exit {code}): {last_line(run_dir / 'tf-chief.log')} "
                            f"(log: {run_dir / 'tf-chief.log'})")
+
+
+def run_forked(workers: int, run_dir: Path) -> int:
+    """The servers and the chief forked from one process that imported TensorFlow once
+    (:class:`~omnilearn.experiments.launch.tfforks.ForkServer`: 6 s of CPU an import on a 2-core machine, paid once
+    instead of ``workers + 2`` times); the chief's exit code. They die with the fork server, and it with this
+    process."""
+    from omnilearn.tf.servers import SERVER_START_S, local_spec, tasks
+
+    spec, env = local_spec(workers), {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    chief_log = run_dir / "tf-chief.log"
+    chief_log.write_text("")
+    with ForkServer(env, chief_log, [sys.executable, "-m", __name__], preload=TF_PRELOAD) as server:
+        servers = [server.start(rank, ["-m", "omnilearn.tf.servers", json.dumps(spec), job, str(index)], env,
+                                run_dir / f"tf-{job}{index}.log", console=False)
+                   for rank, (job, index) in enumerate(tasks(spec))]
+        try:
+            time.sleep(SERVER_START_S)
+            return server.start(len(servers), ["-m", __name__, "chief", str(run_dir), json.dumps(spec)], env,
+                                chief_log, console=True).wait()
+        finally:
+            for proc in servers:
+                proc.kill()
+            for proc in servers:
+                proc.wait()
 
 
 def last_line(path: Path) -> str:
