@@ -7,10 +7,19 @@ worker has its own data cache, fork server and temp directories; nothing here is
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 import suitecost
+
+from omnilearn.experiments.launch import supervise
+
+# The tests' rank processes fork from the launcher's preloaded fork server (tests/ranks.py); it imports the
+# frameworks the tests' ranks use as well, once per xdist worker, instead of once per rank (Lightning's import
+# takes 8.7 s of CPU on the 2-core machine, transformers' 1.3 s). Must be set before the server starts.
+supervise.PRELOAD = (*supervise.PRELOAD, *(name for name in ("transformers", "lightning.pytorch")
+                                           if importlib.util.find_spec(name.split(".")[0]) is not None))
 
 # What torchrun sets (and Hugging Face's accelerate sets in a process of its own): left behind by a test, the
 # next launch reads it as "under torchrun" ("--workers 2 does not match torchrun's WORLD_SIZE 1").

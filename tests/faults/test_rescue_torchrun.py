@@ -5,7 +5,8 @@ checkpoint within the run), real agents, real SIGKILLs.
 - One agent (``--standalone``, 3 workers, ``--max-restarts 2``), two failures in a row: rank 2 killed
   after step 6, then rank 1 after step 14 of the restarted attempt. Each time the survivors save the step
   in flight's start and the agent's restart resumes there (7, then 15); the weights are the uninterrupted
-  run's to float64 rounding (DDP's bucket order after a restart changes the sum's order of three terms).
+  run's to float64 rounding (DDP's bucket order after a restart changes the sum's order of three terms). The
+  uninterrupted run is the script's in one plain process on the same global batches (the ``whole`` fixture).
 - Two agents with a c10d rendezvous (``--nnodes 1:2``), "node" A with 2 workers (it hosts the rendezvous)
   and "node" B with 1. Where the test can make network namespaces (root), each agent runs in its own,
   joined by a veth pair, so the nodes have their own addresses; else both use the loopback (said in the
@@ -32,6 +33,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+
+from omnilearn.data.schedule import GlobalPlan
 
 SCRIPT = Path(__file__).with_name("rescue_script.py")
 TIMEOUT_S = 240
@@ -58,19 +62,34 @@ def attempts(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in found]
 
 
-def rel_diff(a: Path, b: Path) -> float:
-    wa, wb = (torch.load(p / "final.pt", weights_only=True) for p in (a, b))
+def rel_diff(wa: dict[str, torch.Tensor], b: Path) -> float:
+    wb = torch.load(b / "final.pt", weights_only=True)
     num = sum(float(((wa[k] - wb[k]) ** 2).sum()) for k in wa) ** 0.5
     return num / sum(float((wa[k] ** 2).sum()) for k in wa) ** 0.5
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("whole")
-    done = subprocess.run(torchrun("--standalone", "--nproc-per-node", "3", str(SCRIPT), str(out)), env=env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
+def whole() -> dict[str, torch.Tensor]:
+    """The uninterrupted run's weights: rescue_script's model, data and SGD in one plain process, on the global
+    batches its sessions take (``GlobalPlan`` of the default seed; what a 3-rank run of it ends with to float64
+    rounding: tests/dist/test_bsp.py holds OmniLearn to one process on such a plan)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # as the script: its data and model are made in float64
+    try:
+        g = torch.Generator().manual_seed(7)
+        x, y = torch.randn(480, 8, generator=g), torch.randn(480, 1, generator=g)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    finally:
+        torch.set_default_dtype(saved)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    plan = GlobalPlan(480, 24, seed=0)
+    for step in range(24):
+        idx = torch.as_tensor(plan.step_indices(step))
+        opt.zero_grad()
+        F.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def test_two_failures_in_a_row_cost_a_step_each(whole, tmp_path):
