@@ -12,6 +12,7 @@ import os
 
 import pytest
 import suitecost
+import torch
 
 from omnilearn.experiments.launch import supervise
 
@@ -20,6 +21,13 @@ from omnilearn.experiments.launch import supervise
 # takes 8.7 s of CPU on the 2-core machine, transformers' 1.3 s). Must be set before the server starts.
 supervise.PRELOAD = (*supervise.PRELOAD, *(name for name in ("transformers", "lightning.pytorch")
                                            if importlib.util.find_spec(name.split(".")[0]) is not None))
+
+# One intra-op thread in the test processes and in what they start (a CLI, torchrun, a script; the launcher's
+# ranks set their own share): the suite runs several processes at once on two cores, and OpenMP threads that
+# wait by spinning then take the cores from the processes doing the work (an in-process float64 reference ran
+# 7x faster on one thread on a busy host: tests/dist/test_bsp.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 # What torchrun sets (and Hugging Face's accelerate sets in a process of its own): left behind by a test, the
 # next launch reads it as "under torchrun" ("--workers 2 does not match torchrun's WORLD_SIZE 1").
