@@ -19,8 +19,10 @@ from omnilearn.experiments.launch import supervise
 # The tests' rank processes fork from the launcher's preloaded fork server (tests/ranks.py); it imports the
 # frameworks the tests' ranks use as well, once per xdist worker, instead of once per rank (Lightning's import
 # takes 8.7 s of CPU on the 2-core machine, transformers' 1.3 s). Must be set before the server starts.
-supervise.PRELOAD = (*supervise.PRELOAD, *(name for name in ("transformers", "lightning.pytorch")
-                                           if importlib.util.find_spec(name.split(".")[0]) is not None))
+# quickexit stays last (its exit freezes what the imports made: tests/unit/test_launch_store.py).
+supervise.PRELOAD = (*supervise.PRELOAD[:-1], *(name for name in ("transformers", "lightning.pytorch")
+                                                if importlib.util.find_spec(name.split(".")[0]) is not None),
+                     supervise.PRELOAD[-1])
 
 # One intra-op thread in the test processes and in what they start (a CLI, torchrun, a script; the launcher's
 # ranks set their own share): the suite runs several processes at once on two cores, and OpenMP threads that
