@@ -12,9 +12,10 @@ import os
 
 import pytest
 import suitecost
+import tfpool
 import torch
 
-from omnilearn.experiments.launch import supervise
+from omnilearn.experiments.launch import supervise, tfworkers
 
 # The tests' rank processes fork from the launcher's preloaded fork server (tests/ranks.py); it imports the
 # frameworks the tests' ranks use as well, once per xdist worker, instead of once per rank (Lightning's import
@@ -52,6 +53,17 @@ def _restore_torchrun_env(before: dict) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_tensorflow_fork_server():
+    """The runs made in this process share a TensorFlow fork server while their import environment is the same
+    (tests/tfpool.py); closed at the end."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tfworkers, "fork_server", tfpool.shared_fork_server)
+    yield
+    mp.undo()
+    tfpool.close()
 
 
 @pytest.fixture(autouse=True)

@@ -120,6 +120,7 @@ class ForkServer:
                 word, a, b = line.decode().split()
                 if word == "started":
                     self.pids[int(a)] = int(b)
+                    self.codes.pop(int(b), None)  # a pid of an earlier run's reaped worker, used again
                 else:
                     self.codes[int(a)] = int(b)
 
