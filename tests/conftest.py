@@ -1,8 +1,11 @@
 """Shared test fixtures: a private data cache per session, no leftover process groups or stop handlers.
 
-Run everything with the README's command from the repository root: ``python -m pytest -q -n 2 --dist loadfile``
-(pytest-xdist: two worker processes, each taking whole files, so a module's shared runs are made once). Each
-worker has its own data cache, fork server and temp directories; nothing here is shared between them.
+Run everything with the README's command from the repository root: ``python -m pytest -q -n 3 --dist loadfile``
+(pytest-xdist: three worker processes on the two cores, each taking whole files, so a module's shared runs are
+made once; with two, the cores were idle a third of the time while tests waited on their ranks, sleeps and
+timeouts: docs/results.md). Each worker has its own data cache, fork servers and temp directories; nothing here is
+shared between them. The dearest files are handed out first, and a whole run fails when one file takes more than
+its budgeted share of the suite (tests/suitecost.py).
 """
 
 from __future__ import annotations

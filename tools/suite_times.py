@@ -5,7 +5,7 @@ function fixtures: a shared launch of rank processes, a fork server, TensorFlow 
 launches made inside a test included) and teardown seconds, their sum, and the share of the whole. On two
 pytest-xdist workers the files' sum is about twice the wall time.
 
-    PYTEST_ADDOPTS="--durations=0" python -m pytest -q -n 2 --dist loadfile > suite.log
+    PYTEST_ADDOPTS="--durations=0" python -m pytest -q -n 3 --dist loadfile > suite.log
     python tools/suite_times.py suite.log [--top 30] [--write tests/suite_costs.json]
 
 ``--write`` stores each file's seconds in the costs file the suite reads (tests/suitecost.py: the dearest files
