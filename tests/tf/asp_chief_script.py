@@ -44,20 +44,37 @@ def loss(y, logits):
     return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
 
 
+def fork_server(spec: dict, job: str, index: int) -> int:
+    """A ``tf.distribute.Server`` for task ``index`` of ``job`` in a child of this process; its pid. Forked before
+    this process runs a TensorFlow op (importing TensorFlow starts no runtime: omnilearn.experiments.launch.tfforks),
+    so a chief forked from the test's preloaded server (or that imported TensorFlow) starts its servers without
+    importing anything; the child dies with this process."""
+    import tensorflow  # noqa: F401  (before the fork: the servers share this import)
+    from omnilearn.experiments.launch.tfforks import die_with_parent
+    from omnilearn.tf.servers import serve
+
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        die_with_parent()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        serve(spec, job, index)
+    finally:
+        os._exit(0)
+
+
 def main() -> None:
     out, workers, global_batch, speeds, controller, epochs = (Path(sys.argv[1]), int(sys.argv[2]),
                                                               int(sys.argv[3]), sys.argv[4], sys.argv[5],
                                                               int(sys.argv[6]))
     bound = None if sys.argv[7] == "none" else int(sys.argv[7])
     kill = (int(sys.argv[8]), int(sys.argv[9])) if len(sys.argv) > 9 else None
-    from omnilearn.experiments.launch.tfforks import ForkServer
     from omnilearn.tf.servers import local_spec, tasks
     spec = local_spec(workers)
-    forks = ForkServer(dict(os.environ), Path(os.devnull), [sys.executable, "-m", "omnilearn.tf.servers"],
-                       preload=("tensorflow",))  # the servers import TensorFlow once, not once each
-    servers = {(job, i): forks.start(rank, ["-m", "omnilearn.tf.servers", json.dumps(spec), job, str(i)],
-                                     dict(os.environ), Path(os.devnull), console=False)
-               for rank, (job, i) in enumerate(tasks(spec))}
+    servers = {task: fork_server(spec, *task) for task in tasks(spec)}
     try:
         import keras
         import numpy as np
@@ -72,7 +89,7 @@ def main() -> None:
                             max_batch=int(os.environ["ASP_MAX_BATCH"]) if "ASP_MAX_BATCH" in os.environ else None,
                             heartbeat_s=float(os.environ.get("ASP_HEARTBEAT_S", "60")), timeout_s=120.0)
         sent = getattr(signal, "SIG" + os.environ.get("ASP_SIGNAL", "KILL"))
-        killer = None if kill is None else (kill[1], lambda: servers[("worker", kill[0])].send_signal(sent))
+        killer = None if kill is None else (kill[1], lambda: os.kill(servers[("worker", kill[0])], sent))
         from omnilearn.asp.settings import ASPSettings
         chief = Chief(strategy, cfg, build, loss, lambda: keras.optimizers.SGD(LR), x, y, epochs,
                       settings=ASPSettings(os.environ.get("ASP_LR_SCALING", "linear"), max_staleness=bound),
@@ -84,9 +101,8 @@ def main() -> None:
         np.savez(out / "weights.npz", **{f"initial{i}": w for i, w in enumerate(initial)},
                  **{f"final{i}": v.numpy() for i, v in enumerate(chief.model.weights)})
     finally:
-        for p in servers.values():
-            p.kill()
-        forks.close()
+        for pid in servers.values():
+            os.kill(pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """TensorFlow ASP, part one (:mod:`omnilearn.tf.asp`): real ``tf.distribute.Server`` processes, the chief in a third.
 
-Each run is ``tests/tf/asp_chief_script.py``: one parameter server and the workers as processes of their own
-(forked from one that imported TensorFlow once), the chief (the coordinator) in the script's, a float64 MLP on 256
-synthetic samples, plain SGD.
+Each run is ``tests/tf/asp_chief_script.py``: one parameter server and the workers as processes of their own, the
+chief (the coordinator) in the script's, a float64 MLP on 256 synthetic samples, plain SGD. The script runs
+forked from one process per module that imported TensorFlow (the ``forks`` fixture), and forks its servers: a
+run imports nothing.
 
 - Three workers declared at speeds 1, 2, 3 (``static``: batches 16, 32, 48; the delay emulator slows workers
   0 and 1), ``max_staleness=0``: every sample of both epochs applied exactly once, the server's ``version``
@@ -33,8 +34,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,16 +44,36 @@ import pytest
 from needs import needs
 
 from omnilearn.decisions import SCRIPTED_ENV
+from omnilearn.experiments.launch.tfforks import ForkServer
 
 pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 SCRIPT = Path(__file__).with_name("asp_chief_script.py")
 
 
-def chief(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[dict, dict]:
+HANG_GUARD_S = 600  # only a hung run gets here: never a measure of speed
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory) -> Iterator[ForkServer]:
+    """One process that imported TensorFlow, Keras and the chief for the module's runs: each chief is forked from
+    it, and forks its servers (asp_chief_script.fork_server), so a run imports nothing."""
+    log = tmp_path_factory.mktemp("forks") / "server.log"
+    with ForkServer(dict(os.environ), log, [sys.executable, str(SCRIPT)],
+                    preload=("tensorflow", "keras", "omnilearn.tf.asp")) as server:
+        yield server
+
+
+def chief(forks: ForkServer, out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[dict, dict]:
     out.mkdir()
-    done = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})})
-    assert done.returncode == 0, done.stderr[-3000:]
+    rank = len(forks.pids)  # a new number each run
+    proc = forks.start(rank, [str(SCRIPT), str(out), *args], {**os.environ, **(env or {})}, out / "chief.log",
+                       console=False)
+    end = time.monotonic() + HANG_GUARD_S
+    while proc.poll() is None:
+        if time.monotonic() > end:
+            proc.kill()
+        forks.pump(wait_s=0.05)
+    assert proc.returncode == 0, (out / "chief.log").read_text()[-3000:]
     return json.loads((out / "summary.json").read_text()), dict(np.load(out / "weights.npz"))
 
 
@@ -62,8 +84,8 @@ def every_sample_once(summary: dict, epochs: int = 2) -> None:
     assert summary["version"] == summary["applied"] == sum(summary["pushes"]) == len(summary["order"])
 
 
-def test_three_workers_apply_every_sample_once_within_the_bound(tmp_path):
-    summary, _ = chief(tmp_path / "run", "3", "96", "1,2,3", "static", "2", "1")
+def test_three_workers_apply_every_sample_once_within_the_bound(forks, tmp_path):
+    summary, _ = chief(forks, tmp_path / "run", "3", "96", "1,2,3", "static", "2", "1")
     every_sample_once(summary)
     assert summary["variable_devices"] == ["/job:ps/replica:0/task:0/device:CPU:0"]
     assert not summary["dropped"]
@@ -74,8 +96,8 @@ def test_three_workers_apply_every_sample_once_within_the_bound(tmp_path):
 
 
 @pytest.mark.parametrize("scaling", ["linear", "none"])
-def test_one_worker_ends_with_the_weights_of_a_local_replay_of_its_scaled_gradients(tmp_path, scaling):
-    summary, weights = chief(tmp_path / "run", "1", "48", "1", "static", "2", "none",
+def test_one_worker_ends_with_the_weights_of_a_local_replay_of_its_scaled_gradients(forks, tmp_path, scaling):
+    summary, weights = chief(forks, tmp_path / "run", "1", "48", "1", "static", "2", "none",
                              env={"ASP_LR_SCALING": scaling})
     every_sample_once(summary)
     sys.path.insert(0, str(SCRIPT.parent))
@@ -100,8 +122,8 @@ def test_one_worker_ends_with_the_weights_of_a_local_replay_of_its_scaled_gradie
         assert np.abs(v.numpy() - final).max() <= 1e-12 * max(1.0, np.abs(final).max()), v.path
 
 
-def test_the_controller_moves_samples_to_the_worker_that_pushes_faster(tmp_path):
-    summary, _ = chief(tmp_path / "run", "2", "64", "1,1", "model", "3", "none",
+def test_the_controller_moves_samples_to_the_worker_that_pushes_faster(forks, tmp_path):
+    summary, _ = chief(forks, tmp_path / "run", "2", "64", "1,1", "model", "3", "none",
                        env={SCRIPTED_ENV: "0.0001,0.0003", "ASP_INTERVAL": "2"})
     every_sample_once(summary, epochs=3)
     assert summary["decisions"] and sum(summary["batches"]) == 64
@@ -110,18 +132,18 @@ def test_the_controller_moves_samples_to_the_worker_that_pushes_faster(tmp_path)
     assert summary["traces"] <= 2  # the gradient function traced once per worker, not per batch
 
 
-def test_a_killed_worker_loses_no_sample_and_no_push_is_applied_twice(tmp_path):
-    summary, _ = chief(tmp_path / "run", "2", "64", "1,3", "static", "2", "none", "1", "5")
+def test_a_killed_worker_loses_no_sample_and_no_push_is_applied_twice(forks, tmp_path):
+    summary, _ = chief(forks, tmp_path / "run", "2", "64", "1,3", "static", "2", "none", "1", "5")
     every_sample_once(summary)
     assert list(summary["dropped"]) == ["1"] and "Error" in summary["dropped"]["1"]
     assert summary["pushes"][1] <= 5  # killed once 5 pushes were applied; worker 0 ended the run
     assert summary["batches"] == [64, 0]  # its share went to worker 0
 
 
-def test_a_hung_worker_is_dropped_after_its_heartbeat_and_its_samples_dealt_again(tmp_path):
+def test_a_hung_worker_is_dropped_after_its_heartbeat_and_its_samples_dealt_again(forks, tmp_path):
     # worker 1's server is stopped (SIGSTOP: alive, never answering) once both answered and 5 pushes were
     # applied; its call in flight, or its next, is not back within --heartbeat-s 4: dropped as a dead one is
-    summary, _ = chief(tmp_path / "run", "2", "64", "1,3", "static", "4", "none", "1", "5",
+    summary, _ = chief(forks, tmp_path / "run", "2", "64", "1,3", "static", "4", "none", "1", "5",
                        env={"ASP_SIGNAL": "STOP", "ASP_HEARTBEAT_S": "4"})
     every_sample_once(summary, epochs=4)
     assert list(summary["dropped"]) == ["1"] and "no answer for" in summary["dropped"]["1"], summary["dropped"]
