@@ -50,8 +50,16 @@ pytestmark = pytest.mark.dist
 
 def gloo_threads() -> list[str]:
     """Names of this process's threads that belong to gloo (its TCP loop, the process group's workers)."""
-    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    return sorted(name for name in names if "gloo" in name)
+    return sorted(name for name in map(thread_name, os.listdir("/proc/self/task")) if "gloo" in name)
+
+
+def thread_name(tid: str) -> str:
+    """A thread's name, or "" for one that ended after the listing (a race seen once in a whole-suite run)."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def _data(n: int = 64) -> torch.utils.data.TensorDataset:
