@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import os
+import re
 import subprocess
 import sys
 import time
