@@ -23,6 +23,7 @@ from pathlib import Path
 
 LINE = re.compile(r"^\s*(?P<s>\d+(?:\.\d+)?)s (?P<phase>setup|call|teardown)\s+(?P<file>[^:\s]+)::")
 PHASES = ("setup", "call", "teardown")
+DEFAULT_BUDGET = 0.09  # a new costs file's largest share of the suite for one file
 
 
 def per_file(text: str) -> dict[str, dict[str, float]]:
@@ -66,15 +67,35 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         print(f"suite_times: {path} holds no durations: run pytest with --durations=0", file=sys.stderr)
         return 2
+    budget = DEFAULT_BUDGET
+    if args.write:
+        budget = kept_budget(Path(args.write))
+        if isinstance(budget, str):
+            print(f"suite_times: --write {args.write}: {budget}", file=sys.stderr)
+            return 2
     print("\n".join(table(files, args.top)))
     if args.write:
-        write_costs(Path(args.write), files)
+        write_costs(Path(args.write), files, budget)
     return 0
 
 
-def write_costs(path: Path, files: dict[str, dict[str, float]]) -> None:
-    """Each file's summed seconds into ``path`` (a temporary file renamed over it), its ``budget_share`` kept."""
-    budget = json.loads(path.read_text(encoding="utf-8"))["budget_share"] if path.is_file() else 0.06
+def kept_budget(path: Path) -> float | str:
+    """The ``budget_share`` of the costs file at ``path`` (the default for a new one), or why it cannot be written."""
+    if not path.parent.is_dir():
+        return f"no directory {str(path.parent)!r}; give a path in an existing directory"
+    if not path.exists():
+        return DEFAULT_BUDGET
+    try:
+        budget = json.loads(path.read_text(encoding="utf-8"))["budget_share"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"not a costs file with a budget_share ({type(e).__name__}); fix it or give a new path"
+    if not isinstance(budget, (int, float)) or not 0 < budget < 1:
+        return f"budget_share {budget!r} must be a share between 0 and 1, e.g. 0.09"
+    return float(budget)
+
+
+def write_costs(path: Path, files: dict[str, dict[str, float]], budget: float) -> None:
+    """Each file's summed seconds into ``path`` (a temporary file renamed over it), with ``budget``."""
     seconds = {name: round(sum(p.values()), 1) for name, p in sorted(files.items(), key=lambda kv: -sum(kv[1].values()))}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"budget_share": budget, "files": seconds}, indent=1) + "\n", encoding="utf-8")

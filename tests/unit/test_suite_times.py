@@ -73,3 +73,19 @@ def test_the_checked_in_costs_name_only_files_that_exist():
     root = Path(__file__).resolve().parents[2]
     assert 0 < budget < 0.2 and files
     assert [name for name in files if not (root / name).is_file()] == []
+
+
+def test_a_costs_file_that_cannot_be_written_is_one_line_and_left_as_it_was(tmp_path, capsys):
+    log, bad = tmp_path / "suite.log", tmp_path / "bad.json"
+    log.write_text(LOG)
+    bad.write_text("{not json")
+    assert suite_times.main([str(log), "--write", str(tmp_path / "none" / "c.json")]) == 2
+    assert suite_times.main([str(log), "--write", str(bad)]) == 2
+    bad_share = tmp_path / "share.json"
+    bad_share.write_text('{"budget_share": 2, "files": {}}')
+    assert suite_times.main([str(log), "--write", str(bad_share)]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 3 and "no directory" in lines[0] and "not a costs file" in lines[1]
+    assert "budget_share 2 must be a share" in lines[2]
+    assert bad.read_text() == "{not json" and not (tmp_path / "none").exists()
