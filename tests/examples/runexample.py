@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import agents
 import pytest
 
 from omnilearn.decisions import SCRIPTED_ENV
@@ -37,12 +38,18 @@ def scripted_timings(speeds: str) -> dict[str, str]:
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300, env: dict | None = None,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node nproc examples/<script> args``; its output is shown on failure."""
+             check: bool = True, forked: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nproc examples/<script> args``; its output is shown on failure.
+
+    ``forked``: torchrun's agent forks the ranks from the tests' preloaded fork server (tests/agents.py: the same
+    script, its imports already done); ``False``: ``python -m torch.distributed.run`` as a user types it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(EXAMPLES / script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    if forked:
+        done = agents.torchrun(*cmd[3:], env=full_env, timeout=timeout, cwd=ROOT)
+    else:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
     if check and done.returncode != 0:
         pytest.fail(f"{' '.join(cmd[2:])} exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}"
                     f"\n--- stderr\n{done.stderr[-6000:]}")

@@ -70,7 +70,7 @@ torch.save({"weights": {k: v.detach().clone() for k, v in ol.module.state_dict()
 def test_the_readmes_first_code_block_is_exact_on_unequal_batches(tmp_path):
     script = tmp_path / "readme_block.py"  # the block as it stands, a float64 model and data around it
     script.write_text(PRELUDE + readme_block() + POSTLUDE, encoding="utf-8")
-    torchrun(str(script), str(tmp_path), env=scripted_timings("3,1"))
+    torchrun(str(script), str(tmp_path), env=scripted_timings("3,1"), forked=False)  # as the README runs it
     subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, capture_output=True, text=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
     expected = torch.load(tmp_path / "rank0-of-1.pt", weights_only=True)["weights"]

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import agents
 import pytest
 import torch
 from needs import needs
@@ -31,10 +31,10 @@ SCRIPT = Path(__file__).with_name("hf_rescue_script.py")
 
 
 def torchrun(out: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-           str(restarts), str(SCRIPT), str(out), *args]
+    """torchrun's agent forking its ranks from the preloaded fork server (tests/agents.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = agents.torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts), str(SCRIPT),
+                           str(out), *args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

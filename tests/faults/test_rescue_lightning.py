@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import agents
 import pytest
 import torch
 
@@ -47,12 +48,12 @@ FABRIC_SCRIPT = Path(__file__).with_name("fabric_rescue_script.py")
 
 
 def torchrun(out: Path, *args: str, restarts: int = 0, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    """torchrun's agent forking its ranks from the preloaded fork server (tests/agents.py)."""
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "--max-restarts",
-           str(restarts), str(script), str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # not needed: the strategy keys its group by round
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = agents.torchrun("--standalone", "--nproc-per-node", "3", "--max-restarts", str(restarts), str(script),
+                           str(out), *args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

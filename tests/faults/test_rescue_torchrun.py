@@ -31,6 +31,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import agents
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,9 +94,10 @@ def whole() -> dict[str, torch.Tensor]:
 
 
 def test_two_failures_in_a_row_cost_a_step_each(whole, tmp_path):
-    cmd = torchrun("--standalone", "--nproc-per-node", "3", "--max-restarts", "2", str(SCRIPT), str(tmp_path),
-                   "2:7@0,1:15@1")
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    """torchrun's agent forking its ranks from the preloaded fork server (tests/agents.py); the two agents of the
+    tests below are real torchrun processes, one per network namespace."""
+    done = agents.torchrun("--standalone", "--nproc-per-node", "3", "--max-restarts", "2", str(SCRIPT), str(tmp_path),
+                           "2:7@0,1:15@1", env=env(), timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [(a["start"], a["world"]) for a in attempts(tmp_path)] == [(0, 3), (7, 3), (15, 3)]
     assert "lost a peer at step 7" in done.stderr and "lost a peer at step 15" in done.stderr
