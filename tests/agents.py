@@ -81,8 +81,9 @@ def torchrun(*argv: str, env: dict[str, str] | None = None, timeout: float = 300
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         out.touch()
         err.touch()
-        agent = start_context().Process(target=_agent, args=(list(argv), dict(env or os.environ), str(cwd or os.getcwd()),
-                                                                  str(out), str(err)))
+        where = str(cwd or os.getcwd())
+        agent = start_context().Process(target=_agent, args=(list(argv), dict(env or os.environ), where, str(out),
+                                                             str(err)))
         agent.start()
         agent.join(timeout)
         if agent.is_alive():  # a hang guard, not a deadline

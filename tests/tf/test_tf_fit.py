@@ -23,7 +23,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -75,6 +74,7 @@ from needs import needs  # noqa: E402  (in tests/: not importable where this fil
 from omnilearn.decisions import SCRIPTED_ENV  # noqa: E402
 from omnilearn.tf.cluster import free_ports, local_config  # noqa: E402
 from test_tf_train import float64_keras_home  # noqa: E402
+import tfpool  # noqa: E402
 
 pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 
@@ -83,15 +83,12 @@ def run(out: Path, workers: int, source: str, env: dict[str, str]) -> list[tuple
     """``workers`` processes of this file with their ``TF_CONFIG``; their (stdout, stderr)."""
     out.mkdir()
     ports = free_ports(workers)
-    procs = [subprocess.Popen([sys.executable, __file__, str(out), source], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **env, "TF_CPP_MIN_LOG_LEVEL": "2",
-                                   "TF_CONFIG": local_config(ports, rank) if workers > 1 else ""})
-             for rank in range(workers)]
-    outputs = [p.communicate(timeout=240) for p in procs]
-    for p, (stdout, stderr) in zip(procs, outputs):
-        assert p.returncode == 0, f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-4000:]}"
-    return outputs
+    envs = [{**os.environ, **env, "TF_CPP_MIN_LOG_LEVEL": "2",
+             "TF_CONFIG": local_config(ports, rank) if workers > 1 else ""} for rank in range(workers)]
+    done = tfpool.run_scripts([[__file__, str(out), source]] * workers, envs, out / "logs", timeout=240)
+    for p in done:
+        assert p.returncode == 0, f"stdout:\n{p.stdout[-2000:]}\nstderr:\n{p.stderr[-4000:]}"
+    return [(p.stdout, p.stderr) for p in done]
 
 
 @pytest.fixture(scope="module")

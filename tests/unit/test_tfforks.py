@@ -1,7 +1,7 @@
 """The TensorFlow launcher's fork server (``omnilearn.experiments.launch.tfforks``), with small scripts, no TensorFlow.
 
 A forked worker is what ``python SCRIPT ARGS`` / ``python -m MODULE ARGS`` would be: its argv, environment, working
-directory, ``sys.path[0]``, standard error in its log, standard output the console or nothing, ``atexit`` run, exit
+directory, ``sys.path[0]``, standard error in its log, standard output the console, nothing or a file, ``atexit`` run, exit
 codes as ``Popen`` gives them (a signal: negative). A restart of a rank gets a new process and its own code; a
 worker dies with the server.
 
@@ -80,6 +80,14 @@ def test_a_forked_script_is_what_python_script_would_be(tmp_path, capfd, monkeyp
     out = capfd.readouterr().out
     assert "stdout of 0" in out and "stdout of 1" not in out  # worker 0 speaks
     assert (tmp_path / "w1.log").read_text().strip() == "stderr of 1"
+
+
+def test_a_workers_standard_output_can_go_to_a_file(server, tmp_path, capfd):
+    out = tmp_path / "w0.out"
+    out.write_text("before\n")
+    assert start(server, tmp_path, 0, "0", console=out).wait() == 0
+    assert out.read_text() == "before\nstdout of 0\n"  # appended, as the log is
+    assert "stdout of 0" not in capfd.readouterr().out
 
 
 def test_exit_codes_are_popens_and_a_traceback_goes_to_the_log(server, tmp_path):

@@ -6,10 +6,10 @@ train --framework tensorflow`` and ``omnilearn launch`` (:mod:`omnilearn.experim
 this module once per run (:class:`ForkServer`), with the workers' common environment: it imports TensorFlow, Keras
 and OmniLearn's TensorFlow runtime, then forks one child per worker when asked. The child becomes what ``python -m
 MODULE ARGS`` or ``python SCRIPT ARGS`` would be: its own session, its own environment (``TF_CONFIG``), its working
-directory, standard error into its log, standard output the console (worker 0) or ``/dev/null``, ``sys.argv`` and
-``sys.path[0]`` as the interpreter sets them, the script run as ``__main__``, and an ordinary interpreter exit
-(``atexit``, threads joined; a traceback and exit 1 for an uncaught exception). A restart of the run forks again:
-no import.
+directory, standard error into its log, standard output the console (worker 0), ``/dev/null`` or a file,
+``sys.argv`` and ``sys.path[0]`` as the interpreter sets them, the script run as ``__main__``, and an ordinary
+interpreter exit (``atexit``, threads joined; a traceback and exit 1 for an uncaught exception). A restart of the
+run forks again: no import.
 
 Who sends what. The launcher writes one JSON line per worker to the server's standard input (``rank``, ``argv``
 without the interpreter, ``env``, ``cwd``, ``log``, ``console``); the server answers on a pipe (its descriptor is
@@ -83,12 +83,14 @@ class ForkServer:
         self.codes: dict[int, int] = {}  # pid -> exit code, once reaped
         self.ended = False
 
-    def start(self, rank: int, argv: list[str], env: dict[str, str], log: Path, console: bool,
+    def start(self, rank: int, argv: list[str], env: dict[str, str], log: Path, console: bool | Path,
               give_up: Callable[[], bool] = lambda: False) -> Forked:
         """Fork worker ``rank`` running ``argv`` (``["-m", module, ...]`` or ``[script, ...]``); wait for its pid (the
-        first waits for the server's imports). Once ``give_up()`` says so (the launcher was told to stop) the
+        first waits for the server's imports). Its standard output: the server's (``console`` True), ``/dev/null``
+        (False) or appended to the file ``console``. Once ``give_up()`` says so (the launcher was told to stop) the
         server is killed instead, and the worker reads as killed."""
-        task = {"rank": rank, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log), "console": console}
+        task = {"rank": rank, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log),
+                "console": console if isinstance(console, bool) else str(console)}
         self.pids.pop(rank, None)  # a restart's worker: a new pid
         try:
             self.proc.stdin.write(json.dumps(task).encode() + b"\n")
@@ -225,8 +227,10 @@ def become(task: dict, server: int) -> None:
     die_with_parent()
     if os.getppid() != server:  # the server ended before the parent-death signal was set
         os._exit(128 + signal.SIGKILL)
-    for path, fd, flags in ((os.devnull, 0, os.O_RDONLY), (task["log"], 2, os.O_WRONLY | os.O_APPEND | os.O_CREAT),
-                            *([] if task["console"] else [(os.devnull, 1, os.O_WRONLY)])):
+    console, append = task["console"], os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    for path, fd, flags in ((os.devnull, 0, os.O_RDONLY), (task["log"], 2, append),
+                            *([] if console is True else [(os.devnull, 1, os.O_WRONLY) if console is False
+                                                          else (console, 1, append)])):
         opened = os.open(path, flags, 0o644)
         if opened != fd:
             os.dup2(opened, fd)
