@@ -64,7 +64,8 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     assert "stopped by SIGTERM" in stderr and "Traceback" not in stderr and no_worker_left(out)
     # every worker saw the signal (TensorFlow's own SIGTERM handler was put back): a checkpoint at the stop
     said = (out / "tf-worker0.log").read_text()
-    assert "SIGTERM received: stopped at step" in said and "after a checkpoint; continue with --resume" in said, said
+    assert "SIGTERM received: stopped at step" in said and "after a checkpoint; continue with --resume" in said, \
+        f"{said[-2000:]}\n--- worker 1:\n{(out / 'tf-worker1.log').read_text()[-2000:]}\n--- launcher:\n{stderr[-2000:]}"
     assert len(list((out / "checkpoints").glob("step-*/session.json"))) == 1
 
 

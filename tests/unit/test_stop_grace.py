@@ -46,9 +46,10 @@ def test_the_pace_comes_from_the_run_directorys_records(tmp_path):
 
 
 def test_the_grace_covers_an_interval_of_steps_and_the_save():
-    assert grace_s(Pace()) == grace.FLOOR_S
+    assert grace_s(Pace()) == grace.FLOOR_S + grace.UNTIMED_SAVE_S  # a save none has timed: the allowance
     assert grace_s(Pace(step_s=2.0, save_s=1.0, interval=6)) == grace.FLOOR_S + 7 * 2.0 + grace.SAVE_SAFETY * 1.0
     assert grace_s(Pace(step_s=1e6, interval=6)) == grace.CAP_S
+    assert grace_s(Pace(step_s=2.0, save_s=0.0, interval=6)) == grace.FLOOR_S + 7 * 2.0  # a save timed at nothing
 
 
 class Clock:
@@ -65,7 +66,7 @@ def test_stop_wait_counts_again_while_the_workers_progress_toward_the_stop(tmp_p
     wait = StopWait([tmp_path], interval=6, clock=clock)
     assert not wait.overdue()  # nothing asked yet
     g = wait.begin()
-    assert g == grace.FLOOR_S + 7 * 2.0
+    assert g == grace.FLOOR_S + 7 * 2.0 + grace.UNTIMED_SAVE_S
     clock.now += g - 1
     assert not wait.overdue()
     _rows(tmp_path, range(6, 12), 2.0, ranks=(0,))  # the interval the stop is agreed at

@@ -19,12 +19,18 @@ and waits (:func:`grace_s`)::
 
     grace = FLOOR_S + (interval + 1) x step_s + SAVE_SAFETY x save_s, at most CAP_S
 
+where a run that has not timed a save yet gets :data:`UNTIMED_SAVE_S` for
+it: the first save is the slowest (TensorFlow traces its save functions;
+every door writes everything once), and on a loaded machine it outlasted a
+grace that counted it as nothing.
+
 counted again from every sign of progress toward the stop (:class:`StopWait`):
 new step rows up to the interval where the stop is agreed, a checkpoint
 being written, a ``metrics.jsonl`` that grows. A run that makes none within
 its grace is SIGKILLed; a second signal to the launcher kills at once; and
 whatever the progress, never later than :data:`TOTAL_CAP_S` after the request.
-Unknown pace (no step row yet: the workers still start) leaves the floor.
+Unknown pace (no step row yet: the workers still start) leaves the floor
+and the untimed save.
 
 No torch here. Run: ``python -m pytest -q tests/unit/test_stop_grace.py tests/faults/test_slow_stop.py``
 """
@@ -43,6 +49,7 @@ from omnilearn.tomlfile import loads
 FLOOR_S = 8.0  # start-up, a fast run's interval end, a small save: the old fixed grace
 FAILURE_FLOOR_S = 5.0  # after a failure: a small checkpoint's save, with room for a loaded machine
 SAVE_SAFETY = 3.0  # this save may take this many times the last one (a slower disk, a bigger checkpoint)
+UNTIMED_SAVE_S = 20.0  # no save timed yet: the first (traced, written whole) on a loaded machine
 CAP_S = 600.0  # one grace never beyond this
 TOTAL_CAP_S = 1800.0  # nor the whole wait, however the workers progress
 DEFAULT_INTERVAL = 15  # TrainConfig's control_interval, when neither the launcher nor config.toml says
@@ -63,7 +70,7 @@ class Pace:
 def grace_s(pace: Pace) -> float:
     """How long the workers get to reach the stop's interval end and save (see the module docstring)."""
     steps = (pace.interval or DEFAULT_INTERVAL) + 1
-    wait_s = FLOOR_S + steps * (pace.step_s or 0.0) + SAVE_SAFETY * (pace.save_s or 0.0)
+    wait_s = FLOOR_S + steps * (pace.step_s or 0.0) + save_allowance_s(pace)
     return min(CAP_S, wait_s) if math.isfinite(wait_s) else CAP_S
 
 
@@ -71,6 +78,12 @@ def rescue_grace_s(pace: Pace) -> float:
     """After a worker died: how long its peers get to save the last completed step (:mod:`omnilearn.bsp.rescue`)
     before they are SIGKILLed. They exit as soon as they saved; the grace only bounds a survivor that hangs."""
     return min(CAP_S, FAILURE_FLOOR_S + SAVE_SAFETY * (pace.save_s or 0.0))
+
+
+def save_allowance_s(pace: Pace) -> float:
+    """The time a grace gives the coming save: :data:`SAVE_SAFETY` times the slowest timed, else
+    :data:`UNTIMED_SAVE_S`."""
+    return UNTIMED_SAVE_S if pace.save_s is None else SAVE_SAFETY * pace.save_s
 
 
 def _tail_records(path: Path) -> list[dict]:
