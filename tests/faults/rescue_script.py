@@ -9,7 +9,12 @@ periodic checkpoint that never comes within the run (``EVERY``), and
 survivors saved. In the first attempt, rank KILL_RANK SIGKILLs itself right
 after step KILL_STEP - 1 (``ol.next_step == KILL_STEP``; ``L<r>`` for KILL_RANK:
 local rank r of the agent that got the argument); with ``:agent`` it
-SIGKILLs its torchrun agent's whole process group instead (its "node" dies).
+SIGKILLs its torchrun agent's whole process group instead (its "node" dies);
+with ``:update`` it dies right after its ``optimizer.step()`` of step
+KILL_STEP, so its peers see the loss in the script's own logging collective
+(``dist.all_reduce`` of the loss, between ``optimizer.step()`` and
+``ol.step()``, in every step), with step KILL_STEP's update applied and not
+counted. ``RESCUE_EVERY`` sets the periodic checkpoint's interval.
 ``@ATTEMPT`` kills in that attempt (``TORCHELASTIC_RESTART_COUNT``; default 0);
 several kills are separated by commas (two failures in a row). Each
 attempt's rank 0 writes ``OUT/attempt-<k>.json`` (k = 0, 1, ... in order) after its first step (where it
@@ -34,13 +39,14 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import omnilearn
 
 STEPS = 24
-EVERY = 1000  # the periodic checkpoint: never within the run, so a restart has only the survivors' save
+EVERY = int(os.environ.get("RESCUE_EVERY", "1000"))  # default: never within the run (only the survivors' save)
 
 
 def whom(rank: str) -> bool:
@@ -77,12 +83,17 @@ def main(out: Path, kill: str | None) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            ol.step(loss)
+            if rank is not None and how == "update" and whom(rank) and ol.next_step == int(step):
+                os.kill(os.getpid(), signal.SIGKILL)  # step KILL_STEP applied, not counted; the peers log next
+            logged = loss.detach().clone()
+            if dist.is_initialized():
+                dist.all_reduce(logged)  # the script's own logging collective
+            ol.step(logged / ol.world_size)
             if "first_step" not in record:
                 record["first_step"] = time.time()
                 if ol.is_main:  # numbered in order: an agent that re-forms the job for a node does not count it
                     (out / f"attempt-{len(list(out.glob('attempt-*.json')))}.json").write_text(json.dumps(record))
-            if rank is not None and whom(rank) and ol.next_step == int(step):
+            if rank is not None and how != "update" and whom(rank) and ol.next_step == int(step):
                 (out / f"kill-{attempt}.json").write_text(json.dumps({"at": time.time(), "step": ol.next_step}))
                 if how == "agent":  # the node dies: its agent's process group, then its workers' (their own)
                     os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)

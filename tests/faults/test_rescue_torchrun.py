@@ -7,6 +7,10 @@ checkpoint within the run), real agents, real SIGKILLs.
   in flight's start and the agent's restart resumes there (7, then 15); the weights are the uninterrupted
   run's to float64 rounding (DDP's bucket order after a restart changes the sum's order of three terms). The
   uninterrupted run is the script's in one plain process on the same global batches (the ``whole`` fixture).
+- The loss seen between ``optimizer.step()`` and ``ol.step()`` (rank 1 of 2 dies right after its update of
+  step 12; rank 0 is in the script's own logging ``all_reduce``): the weights hold step 12's update, the count
+  does not, so rank 0 saves nothing and says so; the restart resumes from the periodic checkpoint of step 10
+  (``RESCUE_EVERY=5``) and ends on the uninterrupted weights (relative 1e-12).
 - Two agents with a c10d rendezvous (``--nnodes 1:2``), "node" A with 2 workers (it hosts the rendezvous)
   and "node" B with 1. Where the test can make network namespaces (root), each agent runs in its own,
   joined by a veth pair, so the nodes have their own addresses; else both use the loopback (said in the
@@ -103,6 +107,21 @@ def test_two_failures_in_a_row_cost_a_step_each(whole, tmp_path):
     assert "lost a peer at step 7" in done.stderr and "lost a peer at step 15" in done.stderr
     rescued = {json.loads(p.read_text())["meta"]["rescue"]["step"] for p in (tmp_path / "ckpt").glob("*.json")}
     assert rescued == {7, 15}
+    assert rel_diff(whole, tmp_path) < 1e-12
+
+
+def test_a_loss_seen_between_the_update_and_ol_step_saves_nothing_and_the_restart_stays_on_the_path(whole, tmp_path):
+    """Rank 1 dies right after its ``optimizer.step()`` of step 12: rank 0 sees the loss in the script's own logging
+    ``all_reduce`` with step 12's update applied and not counted. Saving that under "next step 12" would apply step
+    12 twice on the restart (it did: issue 50); rank 0 saves nothing, says so, and the restart resumes from the
+    periodic checkpoint of step 10, ending on the uninterrupted weights."""
+    done = agents.torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), str(tmp_path),
+                           "1:12:update", env={**env(), "RESCUE_EVERY": "5"}, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lost a peer at step 12" in done.stderr and "nothing was saved: its optimizer had applied step 12" \
+        in done.stderr, done.stderr[-3000:]
+    assert [(a["start"], a["world"]) for a in attempts(tmp_path)] == [(0, 2), (10, 2)]
+    assert not [p for p in (tmp_path / "ckpt").glob("*.json") if "rescue" in json.loads(p.read_text())["meta"]]
     assert rel_diff(whole, tmp_path) < 1e-12
 
 

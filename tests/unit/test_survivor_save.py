@@ -171,6 +171,38 @@ def test_a_session_saves_once_what_it_was_given(tmp_path, capsys):
     again.release()
 
 
+def test_weights_ahead_of_the_count_are_not_saved(tmp_path):
+    """Between ``optimizer.step()`` and ``ol.step()`` the weights hold the step's update and the count does not: the
+    optimizer step hook knows it, and the survivor saves nothing and says so; counted, the next loss saves again.
+    Any optimizer's update is noted (the hook is the process's), here a second one's."""
+    import omnilearn
+
+    from omnilearn.bsp import rescue
+
+    ol = omnilearn.setup(global_batch=8, device="cpu", handle_signals=False)
+    rescue.guard(ol)  # as setup() does for a session of several ranks
+    model = ol.wrap_model(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
+    ol.save_on_failure(tmp_path, model=model, optimizer=opt)
+    loader = iter(ol.data_loader(torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))))
+    for k in range(3):
+        x, y = next(loader)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        (opt if k < 2 else other).step()
+        if k < 2:
+            ol.step()
+    assert ol.updated_at == ol.next_step == 2  # the other optimizer moved at step 2, not counted yet
+    line = ol._lost(RuntimeError(GLOO_CLOSED))
+    assert "nothing was saved: its optimizer had applied step 2 and ol.step() had not counted it" in line
+    assert CheckpointStore(tmp_path).steps() == []
+    ol.step()
+    ol.rescued = None
+    assert "saved the checkpoint of step 3" in ol._lost(RuntimeError(GLOO_CLOSED))
+    ol.release()
+
+
 def test_a_meeting_that_fails_for_a_lost_peer_saves_too(tmp_path):
     """The meeting's read (ol.step(), a loader reading ahead, sync_buffers, save_checkpoint) is the other place a
     survivor sees a dead peer, after optimizer.step() (the session counted the step first). A meeting whose wait

@@ -39,6 +39,17 @@ SIGTERM from a launcher or torchrun's agent meanwhile only sets the stop
 flag (``handle_signals=True``), so the save finishes; the launcher allows it
 (``omnilearn train``: the failure grace covers a save; torchrun: 30 s).
 
+Weights ahead of the count. Between ``optimizer.step()`` and ``ol.step()``
+the weights hold step N's update while the session still says "next step
+N": a survivor that sees the loss there (the user's own
+``dist.all_reduce(loss)`` for logging, a metric's sync) would save step N's
+update under step N, and the restart would apply it a second time. Which
+step the weights hold is known, not guessed: an optimizer step hook
+(``torch.optim.optimizer.register_optimizer_step_post_hook``, every
+optimizer of the process, one assignment a step) notes the step count at
+each update, and a survivor whose optimizer moved since the last counted
+step saves nothing and says so in its line.
+
 Not rescued: FSDP2 (each rank holds a shard; the survivors' shards are not
 the model): one line names the last checkpoint the restart will use. A hung
 peer the heartbeat watchdog names (no error: a SIGSTOP, a frozen VM) is
@@ -60,12 +71,15 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
 from omnilearn.bsp import checkpointing, sharded
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.distributed import watchdog
 from omnilearn.distributed.lost import PeerLost, first_line, peer_lost, why_lost
 
 _GUARDED: "weakref.WeakSet[Rescue]" = weakref.WeakSet()  # the sessions sys.excepthook rescues
+_UPDATES: list = []  # the optimizer step hook's handle, registered once per process
 
 
 class Rescue:
@@ -74,6 +88,7 @@ class Rescue:
     rescue_to: tuple[Path, dict[str, Any]] | None = None  # (directory, the objects) to save when a peer is lost
     rescue_saver: Callable[[int], str] | None = None  # a door's own save in its own format (step -> what it did)
     rescued: str | None = None  # the line said, once a peer was lost
+    updated_at: int | None = None  # next_step when an optimizer last finished step(): equal to it, weights are ahead
 
     def save_on_failure(self, directory: str | Path, *, model=None, optimizer=None, scheduler=None) -> None:
         """Where, and what, this rank saves if a peer dies: ``directory`` (a checkpoint directory, the one
@@ -116,6 +131,10 @@ class Rescue:
         self._lost(PeerLost(verdict))
 
     def _save_rescue(self, seen: float) -> str:
+        if self.updated_at == self.next_step:
+            return (f"nothing was saved: its optimizer had applied step {self.next_step} and ol.step() had not "
+                    "counted it (the loss was seen between optimizer.step() and ol.step(), in a collective of "
+                    "the script's own), so no step number fits the weights; a restart resumes from the last checkpoint")
         if self.rescue_saver is not None:
             try:
                 return self.rescue_saver(self.next_step)
@@ -153,6 +172,8 @@ def guard(session: Rescue) -> None:
     """Rescue ``session`` when a lost peer's error leaves the script uncaught (``sys.excepthook``, chained), and
     when the heartbeat watchdog names a hung peer (:func:`omnilearn.distributed.watchdog.before_exit`)."""
     _GUARDED.add(session)
+    if not _UPDATES:  # once per process: every optimizer's update notes the step it applies
+        _UPDATES.append(register_optimizer_step_post_hook(_updated))
     watchdog.before_exit(_hung)
     if sys.excepthook is not _excepthook:
         _excepthook.previous = sys.excepthook  # type: ignore[attr-defined]
@@ -162,6 +183,12 @@ def guard(session: Rescue) -> None:
 def unguard(session: Rescue) -> None:
     """``session`` is done (released): no longer rescued by the hook."""
     _GUARDED.discard(session)
+
+
+def _updated(optimizer, args, kwargs) -> None:
+    """An optimizer finished ``step()``: the weights now hold the update of the step the sessions count next."""
+    for session in _GUARDED:
+        session.updated_at = session.next_step
 
 
 def _hung(verdict: str) -> None:
