@@ -42,23 +42,24 @@ def import_key(env: dict[str, str]) -> tuple:
 
 
 @contextlib.contextmanager
-def shared_fork_server(workers: int, device: str, run_dir: Path, command: list[str]) -> Iterator[ForkServer | None]:
-    """``tfworkers.fork_server``, the server kept across runs with the same :func:`import_key`."""
+def shared_fork_server(workers: int, device: str, run_dir: Path, command: list[str],
+                       network: str = "private") -> Iterator[ForkServer | None]:
+    """``tfworkers.fork_server``, the server kept across runs with the same :func:`import_key` and network."""
     if tfworkers.start_method() == "spawn":
         yield None
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    yield kept(tfworkers.common_env(workers, device), tfworkers.log_path(run_dir, 0), command)
+    yield kept(tfworkers.common_env(workers, device), tfworkers.log_path(run_dir, 0), command, network == "private")
 
 
-def kept(env: dict[str, str], log: Path, command: list[str]) -> ForkServer:
-    """The kept server for ``env``'s :func:`import_key`, or a new one started with ``env`` (its own standard
-    error into ``log``) after the last is closed."""
-    key = import_key(env)
+def kept(env: dict[str, str], log: Path, command: list[str], isolate: bool = True) -> ForkServer:
+    """The kept server for ``env``'s :func:`import_key` (and ``isolate``: a private network, as the launcher's),
+    or a new one started with ``env`` (its own standard error into ``log``) after the last is closed."""
+    key = (import_key(env), isolate)
     server = _kept.get(key)
     if server is None or server.ended or server.proc.poll() is not None:
         close()
-        server = _kept[key] = ForkServer(env, log, command)
+        server = _kept[key] = ForkServer(env, log, command, isolate=isolate)
     return server
 
 

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import agents
+import listeners
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,30 +183,13 @@ def two_nodes():
         yield nodes, procs
     finally:
         for p in procs:
-            for pid in [p.pid, *descendants(p.pid)]:  # torchrun's workers sit in sessions of their own
+            for pid in listeners.tree(p.pid):  # torchrun's workers sit in sessions of their own
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             p.wait()
         nodes.remove()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc), children first."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found, frontier = [], [pid]
-    while frontier:
-        children = [c for c, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 @pytest.mark.parametrize("lost", ["node", "worker"])

@@ -3,7 +3,8 @@
 A worker killed mid-run (``OMNILEARN_FAULT_KILL_AT``) leaves its peers
 waiting in a collective: the launcher sees the death, stops them (SIGTERM,
 then SIGKILL) and names the dead worker. SIGTERM to the launcher stops
-every worker at the same step, exit 143. A worker that hangs (SIGSTOP) stops
+every worker at the same step, exit 143; while it trained, its workers' TensorFlow servers (which bind every
+interface) listened in a network namespace of loopback only (tests/listeners.py). A worker that hangs (SIGSTOP) stops
 beating: the launcher names it after ``--heartbeat-s`` and, with
 ``--max-restarts``, restarts every worker from the newest checkpoint.
 
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import listeners
 import pytest
 from needs import needs
 from runfiles import has_step_rows
@@ -58,8 +60,12 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     while time.monotonic() < deadline and p.poll() is None and not has_step_rows(out):
         time.sleep(0.2)  # training has started
     assert p.poll() is None, p.communicate()[1][-3000:]
+    run = listeners.tree(p.pid)  # while it trains: its servers are reachable from loopback only
+    heard, reachable = listeners.listening(run), listeners.exposed(run)
     p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=600)  # a hang guard, not a deadline
+    assert len([s for s in heard if s["interfaces"] == ["lo"]]) >= 2 and not reachable, heard
+    assert "listen on every interface" not in stderr
     assert p.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped by SIGTERM" in stderr and "Traceback" not in stderr and no_worker_left(out)
     # every worker saw the signal (TensorFlow's own SIGTERM handler was put back): a checkpoint at the stop
@@ -67,6 +73,34 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     assert "SIGTERM received: stopped at step" in said and "after a checkpoint; continue with --resume" in said, \
         f"{said[-2000:]}\n--- worker 1:\n{(out / 'tf-worker1.log').read_text()[-2000:]}\n--- launcher:\n{stderr[-2000:]}"
     assert len(list((out / "checkpoints").glob("step-*/session.json"))) == 1
+
+
+def test_sigterm_to_tensorflow_asp_stops_the_chief_and_every_server_which_listened_on_loopback_only(tmp_path):
+    """``--mode asp``: a parameter server, two worker servers and the chief, forked into a network namespace of
+    loopback only. SIGTERM to the launcher while the chief trains: the chief and every server stopped, one line,
+    exit 143, nothing left (they outlived the launcher before, re-parented: issue 50)."""
+    out = tmp_path / "run"
+    p = launch(out, "--mode", "asp", "--workers", "2", "--max-time-s", "600")
+    deadline = time.monotonic() + 600  # a hang guard; a launcher that ended early is seen at once
+    pushes = out / "metrics.jsonl"
+    while time.monotonic() < deadline and p.poll() is None and '"push"' not in (pushes.read_text()
+                                                                                if pushes.exists() else ""):
+        time.sleep(0.2)  # the chief has pushed: every server is up
+    assert p.poll() is None, p.communicate()[1][-3000:]
+    run = listeners.tree(p.pid)
+    heard, reachable = listeners.listening(run), listeners.exposed(run)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=600)  # a hang guard, not a deadline
+    assert p.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert len([s for s in heard if s["interfaces"] == ["lo"]]) == 4 and not reachable, heard  # ps, 2 workers, chief
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("omnilearn: interrupted by SIGTERM: the TensorFlow ASP chief and its servers were "
+                           "stopped") and "Traceback" not in stderr, stderr[-3000:]
+    for _ in range(100):  # the servers die with their fork server: a moment after the launcher exits
+        if not [pid for pid in run if listeners.alive(pid)]:
+            break
+        time.sleep(0.1)
+    assert not [pid for pid in run if listeners.alive(pid)]
 
 
 def test_a_hung_worker_is_named_within_the_heartbeat_and_the_restart_finishes_the_run(tmp_path):

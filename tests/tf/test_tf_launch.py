@@ -53,8 +53,14 @@ def test_a_launched_keras_script_balances_learns_and_logs_per_worker(tmp_path):
 
 FAILING = """
 import json, os, sys, time
+from omnilearn.experiments.launch import netns
 if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+    while not os.path.exists(sys.argv[2]):  # worker 0 has said what network it sees
+        time.sleep(0.05)
     sys.exit("omnilearn: error: worker 1 could not read its data")
+with open(sys.argv[2] + ".part", "w") as f:
+    f.write(" ".join(netns.interfaces()))
+os.replace(sys.argv[2] + ".part", sys.argv[2])
 open(sys.argv[1], "w").write(str(os.getpid()))
 time.sleep(100000)  # worker 0 would wait for it in the cluster for ever: only the launcher ends it
 """
@@ -69,12 +75,19 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
-def test_a_failing_worker_stops_the_others_and_is_named(tmp_path):
+@pytest.mark.parametrize("network", ["private", "host"])
+def test_a_failing_worker_stops_the_others_and_is_named(tmp_path, network):
+    """Also: the workers see the network ``--network`` gives them: loopback only (private, the default: their
+    TensorFlow servers bind every interface), or the machine's, said in one line."""
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
-    done = launch("--workers", "2", "--out", str(tmp_path / "run"), str(script), str(tmp_path / "pid0"),
-                  timeout=HANG_GUARD_S)
+    done = launch("--workers", "2", "--network", network, "--out", str(tmp_path / "run"), str(script),
+                  str(tmp_path / "pid0"), str(tmp_path / "net0"), timeout=HANG_GUARD_S)
     assert done.returncode == 1, done.stderr[-3000:]
+    seen = (tmp_path / "net0").read_text().split()
+    assert (seen == ["lo"]) == (network == "private") and "lo" in seen, seen
+    said = "omnilearn: this run's TensorFlow servers listen on every interface (--network host)"
+    assert (said in done.stderr) == (network == "host"), done.stderr[-3000:]
     assert not (tmp_path / "pid0").exists() or _gone(int((tmp_path / "pid0").read_text()))  # worker 0 was stopped
     assert done.stderr.strip().splitlines()[-1] == (
         f"omnilearn: error: TensorFlow worker 1 failed (exit 1): worker 1 could not read its data "

@@ -26,7 +26,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from omnilearn.tf.cluster import free_ports
 
@@ -47,8 +47,10 @@ def tasks(spec: dict) -> list[tuple[str, int]]:
 
 
 @contextmanager
-def local_cluster(workers: int, logs: Path | None = None) -> Iterator[dict]:
-    """One ``ps`` and ``workers`` worker servers on localhost while the block runs; yields the cluster spec."""
+def local_cluster(workers: int, logs: Path | None = None,
+                  preexec_fn: Callable[[], None] | None = None) -> Iterator[dict]:
+    """One ``ps`` and ``workers`` worker servers on localhost while the block runs; yields the cluster spec.
+    ``preexec_fn``: run in each server's process before its exec (a launcher's parent-death signal)."""
     spec = local_spec(workers)
     servers: list[subprocess.Popen] = []
     try:
@@ -56,7 +58,7 @@ def local_cluster(workers: int, logs: Path | None = None) -> Iterator[dict]:
             log = subprocess.DEVNULL if logs is None else open(Path(logs) / f"tf-{job}{index}.log", "w")
             try:
                 servers.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec), job, str(index)],
-                                                stdout=subprocess.DEVNULL, stderr=log))
+                                                stdout=subprocess.DEVNULL, stderr=log, preexec_fn=preexec_fn))
             finally:
                 if log is not subprocess.DEVNULL:
                     log.close()

@@ -66,6 +66,10 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout-s", type=float, metavar="S",
                    help=f"a worker that has not joined the cluster by then is named, and a collective waits this "
                    f"long (default {BalanceConfig.timeout_s:g})")
+    p.add_argument("--network", choices=("private", "host"), default="private",
+                   help="private (default): TensorFlow workers see loopback only, so their servers, which bind "
+                   "every interface, are not reachable from the network; host: the machine's network (a script "
+                   "that downloads while it runs), said in one line")
     p.add_argument("script", help="your training script (it calls omnilearn.tf.setup())")
     p.add_argument("args", nargs=argparse.REMAINDER, default=[], help="the script's own arguments")
 
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     def where() -> str:  # the launcher's own checkpoints, else whatever the script keeps (BackupAndRestore)
         return tflaunch.tf_checkpoint(out) if args.checkpoint_every else "the script's own checkpoints, if any"
 
-    with tflaunch.fork_server(workers, args.device, out, command) as server:
+    with tflaunch.fork_server(workers, args.device, out, command, args.network) as server:
         def attempt(resume: bool) -> None:
             resume = resume and (out / "config.toml").is_file()  # a failure before worker 0's setup(): start afresh
             tflaunch.supervise(workers, args.device, out, command, {LAUNCH_ENV: json.dumps({**given, "resume": resume})},

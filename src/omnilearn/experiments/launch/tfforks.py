@@ -37,6 +37,7 @@ Run: ``python -m pytest -q tests/unit/test_tfforks.py tests/tf``
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import json
 import os
@@ -49,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omnilearn.experiments.launch import freshchild  # first: its snapshot is the server's signals at start
+from omnilearn.experiments.launch import netns
 
 POLL_S = 0.02
 PRELOAD = ("tensorflow", "keras", "omnilearn.tf.api", "omnilearn.tf.session", "omnilearn.tf.fit")
@@ -62,21 +64,44 @@ def die_with_parent() -> None:
         pass
 
 
+def say_exposed(why: str) -> None:
+    """The one line of a local run whose TensorFlow servers are not in a private namespace (``why``: the reason)."""
+    print(f"omnilearn: this run's TensorFlow servers listen on every interface ({why}): whoever reaches this "
+          "machine can send them work; run it on a trusted network (docs/security.md)", file=sys.stderr, flush=True)
+
+
+def _in_the_child(why: int | None) -> None:
+    """Between the fork and the exec of the server: die with the launcher; with ``why`` (a pipe), move into a
+    network namespace of loopback only and write there why not, if not."""
+    die_with_parent()
+    if why is not None:
+        os.write(why, (netns.isolate() or "").encode())
+
+
 # ------------------------------------------------------------------ the launcher's side
 class ForkServer:
     """The fork server of one run: started with ``env`` (the workers' common environment), its standard error into
-    ``log``, preloading ``preload``; ``command`` (the workers' command) only names it in ``ps``."""
+    ``log``, preloading ``preload``; ``command`` (the workers' command) only names it in ``ps``. ``isolate``: the
+    server, and every process it forks, in a network namespace of its own with loopback only
+    (:func:`omnilearn.experiments.launch.netns.isolate`, made in the forked child before it runs Python's
+    startup, while it has one thread); :attr:`exposed` says why not, where it could not be made."""
 
-    def __init__(self, env: dict[str, str], log: Path, command: list[str], preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, env: dict[str, str], log: Path, command: list[str], preload: tuple[str, ...] = PRELOAD,
+                 isolate: bool = False) -> None:
         read, write = os.pipe()
+        said, why = os.pipe()
         try:
             with open(log, "ab") as err:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", __name__, str(write), ",".join(preload), *command[1:]], env=env,
                     stdin=subprocess.PIPE, stdout=None, stderr=err, pass_fds=(write,), start_new_session=True,
-                    preexec_fn=die_with_parent)
+                    preexec_fn=functools.partial(_in_the_child, why if isolate else None))
         finally:
             os.close(write)
+            os.close(why)
+        with os.fdopen(said, "rb") as answer:  # written before the exec, so complete once Popen returned
+            text = answer.read().decode(errors="replace")
+        self.exposed: str | None = None if isolate and not text else (text or "not asked for")
         os.set_blocking(read, False)
         self._reports, self._partial = read, b""
         self.pids: dict[int, int] = {}  # rank -> pid

@@ -47,6 +47,7 @@ from pathlib import Path
 from omnilearn.config import dump_toml
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.launch.supervise import (
+    START_METHOD_ENV,
     Interrupted,
     SignalTrap,
     WorkerFailed,
@@ -54,7 +55,7 @@ from omnilearn.experiments.launch.supervise import (
     start_method,  # re-exported: the commands check it before they write anything
 )
 from omnilearn.experiments.launch.grace import StopWait
-from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent
+from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent, say_exposed
 from omnilearn.experiments.train import restarts
 from omnilearn.experiments.train.tfjob import JOB_CONFIG_ENV
 from omnilearn.observe.console import startup
@@ -81,14 +82,21 @@ def common_env(workers: int, device: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def fork_server(workers: int, device: str, run_dir: Path, command: list[str]) -> Iterator[ForkServer | None]:
+def fork_server(workers: int, device: str, run_dir: Path, command: list[str],
+                network: str = "private") -> Iterator[ForkServer | None]:
     """The run's :class:`~omnilearn.experiments.launch.tfforks.ForkServer` (Linux, unless ``OMNILEARN_START_METHOD``
-    says ``spawn``), kept across restarts; ``None``: each worker is a fresh interpreter."""
+    says ``spawn``), kept across restarts; ``None``: each worker is a fresh interpreter. ``network="private"``: the
+    workers in a network namespace of loopback only (:mod:`omnilearn.experiments.launch.netns`); where that
+    cannot be, or with ``"host"``, one line says their servers listen on every interface."""
     if start_method() == "spawn":
+        say_exposed(f"{START_METHOD_ENV}=spawn starts each worker on its own, outside a private network")
         yield None
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    with ForkServer(common_env(workers, device), log_path(run_dir, 0), command) as server:
+    private = network == "private"
+    with ForkServer(common_env(workers, device), log_path(run_dir, 0), command, isolate=private) as server:
+        if server.exposed:
+            say_exposed(f"a private network could not be made: {server.exposed}" if private else "--network host")
         yield server
 
 

@@ -29,17 +29,26 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from omnilearn.experiments.config import TrainConfig, build, load_toml
-from omnilearn.experiments.launch.supervise import WorkerFailed, start_method
-from omnilearn.experiments.launch.tfforks import ForkServer
+from omnilearn.experiments.launch.supervise import (
+    START_METHOD_ENV,
+    Interrupted,
+    SignalTrap,
+    WorkerFailed,
+    signal_name,
+    start_method,
+)
+from omnilearn.experiments.launch.tfforks import POLL_S, Forked, ForkServer, die_with_parent, say_exposed
 
 TF_PRELOAD = ("tensorflow", "keras", "omnilearn.tf.asp")  # what the servers and the chief import
 
+STOP_GRACE_S = 10.0  # a chief told to stop by the launcher gets this long before SIGKILL (it writes no checkpoint)
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt|Exit)\b.*:")  # a traceback's last line
 
 
@@ -47,9 +56,12 @@ def run_local(cfg: TrainConfig, run_dir: Path) -> None:
     if start_method() == "spawn":
         from omnilearn.tf.servers import local_cluster
 
-        with local_cluster(cfg.workers, logs=run_dir) as spec, open(run_dir / "tf-chief.log", "w") as log:
-            code = subprocess.run([sys.executable, "-m", __name__, "chief", str(run_dir), json.dumps(spec)],
-                                  stderr=log).returncode
+        say_exposed(f"{START_METHOD_ENV}=spawn starts each process on its own, outside a private network")
+        chief_log = run_dir / "tf-chief.log"
+        with local_cluster(cfg.workers, logs=run_dir, preexec_fn=die_with_parent) as spec, open(chief_log, "w") as log:
+            chief = subprocess.Popen([sys.executable, "-m", __name__, "chief", str(run_dir), json.dumps(spec)],
+                                     stderr=log, preexec_fn=die_with_parent)
+            code = chief_exit(chief, run_dir)
     else:
         code = run_forked(cfg.workers, run_dir)
     if code:
@@ -57,24 +69,48 @@ def run_local(cfg: TrainConfig, run_dir: Path) -> None:
                            f"(log: {run_dir / 'tf-chief.log'})")
 
 
+def chief_exit(chief: subprocess.Popen | Forked, run_dir: Path) -> int:
+    """The chief's exit code. SIGINT/SIGTERM to the launcher meanwhile: the chief is stopped (SIGTERM, then SIGKILL
+    after :data:`STOP_GRACE_S`), the caller stops the servers, and :class:`Interrupted` says so (128 + signal)."""
+    with SignalTrap() as trap:
+        while chief.poll() is None and not trap.received:
+            time.sleep(POLL_S)
+    if not trap.received:
+        return chief.returncode
+    chief.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while chief.poll() is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    killed = ""
+    if chief.poll() is None:
+        chief.kill()
+        killed = f"; SIGKILLed after {STOP_GRACE_S:g} s"
+    signum = trap.received[0]
+    raise Interrupted(signum, f"interrupted by {signal_name(signum)}: the TensorFlow ASP chief and its servers were "
+                              f"stopped{killed}; this mode writes no checkpoint yet (the records so far are in "
+                              f"{run_dir})")
+
+
 def run_forked(workers: int, run_dir: Path) -> int:
     """The servers and the chief forked from one process that imported TensorFlow once
     (:class:`~omnilearn.experiments.launch.tfforks.ForkServer`: 6 s of CPU an import on a 2-core machine, paid once
-    instead of ``workers + 2`` times); the chief's exit code. They die with the fork server, and it with this
-    process."""
+    instead of ``workers + 2`` times), in a network namespace of loopback only; the chief's exit code. They die
+    with the fork server, and it with this process."""
     from omnilearn.tf.servers import SERVER_START_S, local_spec, tasks
 
     spec, env = local_spec(workers), {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     chief_log = run_dir / "tf-chief.log"
     chief_log.write_text("")
-    with ForkServer(env, chief_log, [sys.executable, "-m", __name__], preload=TF_PRELOAD) as server:
+    with ForkServer(env, chief_log, [sys.executable, "-m", __name__], preload=TF_PRELOAD, isolate=True) as server:
+        if server.exposed:
+            say_exposed(f"a private network could not be made: {server.exposed}")
         servers = [server.start(rank, ["-m", "omnilearn.tf.servers", json.dumps(spec), job, str(index)], env,
                                 run_dir / f"tf-{job}{index}.log", console=False)
                    for rank, (job, index) in enumerate(tasks(spec))]
         try:
             time.sleep(SERVER_START_S)
-            return server.start(len(servers), ["-m", __name__, "chief", str(run_dir), json.dumps(spec)], env,
-                                chief_log, console=True).wait()
+            return chief_exit(server.start(len(servers), ["-m", __name__, "chief", str(run_dir), json.dumps(spec)],
+                                           env, chief_log, console=True), run_dir)
         finally:
             for proc in servers:
                 proc.kill()
