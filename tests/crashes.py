@@ -1,6 +1,7 @@
-"""A simulated crash for the commit tests: ``os.replace`` and ``shutil.rmtree`` that die after the k-th call.
+"""A simulated crash for the commit tests: ``os.replace``, ``os.unlink`` and ``shutil.rmtree`` that die after the
+k-th call.
 
-Used by ``tests/unit/test_commit.py`` and ``tests/tf/test_tf_commit.py``.
+Used by ``tests/unit/test_commit.py``, ``tests/unit/test_checkpoint.py`` and ``tests/tf/test_tf_commit.py``.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ class Crash(BaseException):
 
 
 class Ops:
-    """While entered: ``os.replace`` and ``shutil.rmtree`` that die after the ``crash_after``-th call (that call
-    and every later one raise :class:`Crash`)."""
+    """While entered: ``os.replace``, ``os.unlink`` (``Path.unlink``) and ``shutil.rmtree`` that die after the
+    ``crash_after``-th call (that call and every later one raise :class:`Crash`)."""
 
     def __init__(self, crash_after: int) -> None:
         self.calls, self.crash_after, self.dead = 0, crash_after, False
-        self.replace, self.rmtree = os.replace, shutil.rmtree
+        self.replace, self.unlink, self.rmtree = os.replace, os.unlink, shutil.rmtree
 
     def __enter__(self) -> "Ops":
         os.replace = lambda *a, **k: self.do(self.replace, *a, **k)
+        os.unlink = lambda *a, **k: self.do(self.unlink, *a, **k)
         shutil.rmtree = lambda *a, **k: self.do(self.rmtree, *a, **k)
         return self
 
     def __exit__(self, *_exc) -> None:
-        os.replace, shutil.rmtree = self.replace, self.rmtree
+        os.replace, os.unlink, shutil.rmtree = self.replace, self.unlink, self.rmtree
 
     def do(self, op, *args, **kwargs):
         if self.dead:

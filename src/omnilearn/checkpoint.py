@@ -12,7 +12,13 @@ is refused in one line naming the field (``extra['best']: numpy.float64``)
 before anything is written, so the existing checkpoints stay as they were.
 Each file is written to a temporary file, fsynced and renamed into place,
 the ``.pt`` first: a checkpoint without its ``.json`` was cut short and is
-not one. That sequence (the parts, then the commit mark, then pruning) is
+not one. The same step saved again (an epoch-end save and a stop save; a
+resumed run stopped where it started) never writes over the checkpoint it
+replaces: its files take the other of two generations (``step-<n>.pt`` or
+``step-<n>.g1.pt``, ``step-<n>.dcp`` or ``step-<n>.g1.dcp``), the manifest
+names its generation, and its atomic rename switches from the old to the
+new; the old files go at the sweep. A kill anywhere in between leaves the
+old checkpoint or the new one, whole. That sequence (the parts, then the commit mark, then pruning) is
 :func:`omnilearn.commit.commit`, the one every door's save follows. A sharded model's shards
 sit in a companion directory ``step-000000500.dcp`` (written by every rank
 before the mark); it is pruned with its checkpoint and swept when its mark
@@ -39,6 +45,9 @@ caller can send them on (the BSP session broadcasts them in chunks) and
 Which state goes in is the caller's: :meth:`omnilearn.bsp.session.Session.save_checkpoint`
 (the session, the model, optimizer and LR scheduler) and the ASP server.
 
+Why one file over 300 lines: the store's writing (save, generations, prune, sweep) and reading (verify, fall back,
+decode) share one layout of names and one notion of a complete checkpoint; split, each half would re-derive it.
+
 Run: ``python -m pytest -q tests/unit/test_checkpoint.py``
 """
 
@@ -62,9 +71,17 @@ from omnilearn.weightsonly import FIX, first_refused, refused_field, refused_glo
 
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{9,})\.json$")
-_PT = re.compile(r"^step-(\d{9,})\.pt$")
-_COMPANION = re.compile(r"^step-(\d{9,})\.(?!pt$|json$)[a-z0-9]+$")  # a directory of a checkpoint's parts
+_PT = re.compile(r"^step-(\d{9,})(?:\.g(\d+))?\.pt$")
+_COMPANION = re.compile(r"^step-(\d{9,})(?:\.g(\d+))?\.(?!pt$|json$)[a-z0-9]+$")  # a directory of a checkpoint's parts
 DAMAGED = ".damaged"  # suffix of a damaged checkpoint's files, set aside
+
+
+def step_of(path: str | Path) -> tuple[int, int]:
+    """(step, generation) of a checkpoint's ``.pt`` path."""
+    m = _PT.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint's .pt (step-<n>.pt or step-<n>.g<k>.pt)")
+    return int(m.group(1)), int(m.group(2) or 0)
 
 
 class CheckpointError(RuntimeError):
@@ -109,8 +126,28 @@ class CheckpointStore:
             raise ValueError(f"keep={keep} must be at least 1")
         self.dir, self.keep = Path(directory), keep
 
-    def path(self, step: int) -> Path:
-        return self.dir / f"step-{step:09d}.pt"
+    def path(self, step: int, generation: int = 0) -> Path:
+        """The ``.pt`` of ``step`` in ``generation`` (0: ``step-<n>.pt``; the manifest is ``step-<n>.json``)."""
+        return self.dir / (f"step-{step:09d}.g{generation}.pt" if generation else f"step-{step:09d}.pt")
+
+    def mark(self, step: int) -> Path:
+        """The manifest of ``step``: the checkpoint counts once it is there."""
+        return self.dir / f"step-{step:09d}.json"
+
+    def generation(self, step: int) -> int:
+        """The generation the complete checkpoint of ``step`` is in (0 when there is none, or it cannot be read)."""
+        try:
+            return int(self.manifest(step).get("generation", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return 0
+
+    def next_generation(self, step: int) -> int:
+        """Where a save of ``step`` writes: the generation the complete checkpoint of ``step`` is not in."""
+        return 1 - self.generation(step) if self.mark(step).exists() else 0
+
+    def data_path(self, step: int) -> Path:
+        """The ``.pt`` the manifest of ``step`` names."""
+        return self.path(step, self.generation(step))
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint (its ``.json`` written), oldest first."""
@@ -119,8 +156,10 @@ class CheckpointStore:
         return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name)))
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None, prune: bool = True,
-             after_parts: Callable[[], object] | None = None) -> Path:
-        """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step); keep the newest K.
+             after_parts: Callable[[], object] | None = None, generation: int | None = None) -> Path:
+        """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step, whose files stay until the
+        new manifest is in place); keep the newest K. ``generation``: where the parts go (default
+        :meth:`next_generation`; a sharded save wrote its shards there already).
 
         A value ``torch.load(weights_only=True)`` would refuse is a :class:`CheckpointError` before anything is written.
         The sequence is :func:`commit`'s: the ``.pt``, then its manifest (the mark), then :meth:`prune` (not with
@@ -134,18 +173,20 @@ class CheckpointStore:
         torch.save(state, buffer)
         data = buffer.getbuffer()
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.path(step)
+        generation = self.next_generation(step) if generation is None else generation
+        path = self.path(step, generation)
 
         def manifest() -> bytes:
             return (json.dumps({"format": FORMAT, "step": int(step), "sha256": hashlib.sha256(data).hexdigest(),
-                                "bytes": len(data), "saved_at": time.time(), "meta": meta or {}}, indent=1) + "\n").encode()
+                                "bytes": len(data), "saved_at": time.time(), "meta": meta or {},
+                                **({"generation": generation} if generation else {})}, indent=1) + "\n").encode()
 
         def parts() -> None:
             write_atomic(path, lambda f: f.write(data))
             if after_parts is not None:  # fault injection (tests): between the .pt and its mark
                 after_parts()
 
-        commit(path.with_suffix(".json"), parts, manifest, self.prune if prune else None)
+        commit(self.mark(step), parts, manifest, self.prune if prune else None)
         return path
 
     def save_once(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None,
@@ -166,15 +207,17 @@ class CheckpointStore:
         left (called after a save)."""
         steps = self.steps()
         for step in steps[: max(0, len(steps) - self.keep)]:
-            self.path(step).with_suffix(".json").unlink(missing_ok=True)  # the manifest first: never a .json alone
-            self.path(step).unlink(missing_ok=True)
+            data = self.data_path(step)
+            self.mark(step).unlink(missing_ok=True)  # the manifest first: never a .json alone
+            data.unlink(missing_ok=True)
             for part in self.companions(step):
                 shutil.rmtree(part, ignore_errors=True)
         self.sweep()
 
     def companions(self, step: int | None = None) -> list[Path]:
         """The directories beside the files that belong to a checkpoint (``step-<n>.dcp``: a sharded model's
-        shards, written by every rank before the mark); of ``step``, or all."""
+        shards, written by every rank before the mark; ``step-<n>.g1.dcp`` in the other generation); of ``step``
+        (either generation), or all."""
         if not self.dir.is_dir():
             return []
         return [p for p in self.dir.iterdir() if (m := _COMPANION.match(p.name)) and p.is_dir()
@@ -184,18 +227,19 @@ class CheckpointStore:
         """Remove the leftovers of writes cut short (a process killed mid-save): temp files, and ``.pt`` files and
         companion directories whose manifest was never written. Only the one writer calls it, after its own save
         completed."""
-        done = set(self.steps())
-        kept = {self.path(step).name for step in done}
+        generations = {step: self.generation(step) for step in self.steps()}
+        kept = {self.path(step, g).name for step, g in generations.items()}
         for p in self.dir.iterdir():
             cut_pt = _PT.match(p.name) is not None and p.name not in kept
             if cut_pt or (p.name.startswith(".step-") and p.name.endswith((".tmp", ".claim"))):
                 p.unlink(missing_ok=True)
         for part in self.companions():
-            if int(_COMPANION.match(part.name).group(1)) not in done:
+            m = _COMPANION.match(part.name)
+            if generations.get(int(m.group(1))) != int(m.group(2) or 0):  # cut short, or the generation replaced
                 shutil.rmtree(part, ignore_errors=True)
 
     def manifest(self, step: int) -> dict[str, Any]:
-        return json.loads(self.path(step).with_suffix(".json").read_text())
+        return json.loads(self.mark(step).read_text())
 
     def read(self, step: int) -> bytearray:
         """The ``.pt`` bytes of ``step``, checked against its manifest; :class:`CheckpointDamaged` when they differ."""
@@ -204,6 +248,7 @@ class CheckpointStore:
             manifest = self.manifest(step)
         except (OSError, ValueError) as e:
             raise CheckpointDamaged(f"checkpoint {path} is damaged: its manifest cannot be read ({e})") from None
+        path = self.data_path(step)
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}; this version reads "
                                   f"{FORMAT}: resume with the version that wrote it")
@@ -239,11 +284,11 @@ class CheckpointStore:
 
     def load(self, step: int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
         """The checkpoint of ``step``: :class:`CheckpointDamaged` when damaged, :class:`CheckpointError` when refused."""
-        return self.decode(self.read(step), self.path(step), map_location)
+        return self.decode(self.read(step), self.data_path(step), map_location)
 
     def set_aside(self, step: int) -> None:
         """Rename a damaged checkpoint's files to ``*.damaged`` (the manifest first); kept for inspection."""
-        for path in (self.path(step).with_suffix(".json"), self.path(step)):
+        for path in [self.mark(step), self.data_path(step)]:  # both named before the manifest moves
             if path.exists():
                 path.replace(path.with_name(path.name + DAMAGED))
 
@@ -270,8 +315,9 @@ class CheckpointStore:
 
     def _fall_back(self, step: int, why: str, to: int) -> None:
         try:
+            name = self.data_path(step).name
             self.set_aside(step)
-            kept = f"set aside as {self.path(step).name}{DAMAGED}"
+            kept = f"set aside as {name}{DAMAGED}"
         except OSError as e:
             kept = f"left in place ({e.strerror})"
         warnings.warn(f"{why}; {kept}, falling back to the checkpoint of step {to}", CheckpointWarning, stacklevel=3)
@@ -282,4 +328,4 @@ class CheckpointStore:
         if found is None:
             return None
         step, data = found
-        return step, self.decode(data, self.path(step), map_location)
+        return step, self.decode(data, self.data_path(step), map_location)

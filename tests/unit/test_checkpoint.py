@@ -428,3 +428,35 @@ def test_release_ends_the_loader_workers_cleanly_mid_epoch():
     ol.release()
     assert loader.loader._iterator is None and [w.exitcode for w in workers] == [0]
     ol.release()  # idempotent
+
+
+@pytest.mark.parametrize("again", [True, False], ids=["same-step-again", "next-step"])
+def test_a_crash_after_any_filesystem_step_of_a_save_leaves_the_old_or_the_new_checkpoint(tmp_path, again):
+    """Generated from the sequence: each ``os.replace``, ``os.unlink`` and ``shutil.rmtree`` a save makes is, in
+    turn, where the process dies (tests/crashes.py). The same step saved again (an epoch-end save, then a stop
+    save) included: its new ``.pt`` replaced the old one under the old manifest, and a crash there left neither
+    (issue 50). Whatever the crash, the newest intact checkpoint is the old or the new one, no fallback over a
+    damaged one, and the next save leaves only complete checkpoints behind."""
+    from crashes import Crash, Ops
+
+    crash_after, step = 0, 10 if again else 20
+    while True:
+        store = CheckpointStore(tmp_path / f"crash-{crash_after}", keep=1)
+        store.save(10, {"v": torch.tensor(1.0)})
+        try:
+            with Ops(crash_after):
+                store.save(step, {"v": torch.tensor(2.0)})
+            finished = True
+        except Crash:
+            finished = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a damaged checkpoint set aside would warn
+            found, state = store.load_latest()
+        assert (found, float(state["v"])) in ((10, 1.0), (step, 2.0)), (crash_after, found, float(state["v"]))
+        store.save(30, {"v": torch.tensor(3.0)})
+        left = sorted(p.name for p in store.dir.iterdir())
+        assert left == ["step-000000030.json", "step-000000030.pt"], (crash_after, left)
+        if finished:
+            break
+        crash_after += 1
+    assert crash_after >= 3  # the .pt, the manifest and the prune (the old generation or the older step) each hit

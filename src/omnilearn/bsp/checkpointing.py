@@ -53,7 +53,7 @@ import torch
 
 from omnilearn.bsp import sharded
 from omnilearn.bsp.rng import load_rng_state, rank_seed, rng_state, seed_rank
-from omnilearn.checkpoint import CheckpointError, CheckpointStore
+from omnilearn.checkpoint import CheckpointError, CheckpointStore, step_of
 from omnilearn.config import ConfigError
 from omnilearn.data.position import UnverifiedResumeWarning, keyword
 from omnilearn.decisions import MAX_STRETCH
@@ -92,8 +92,9 @@ def objects_state(session: Session, objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def save(session: Session, directory: str | Path, objects: dict[str, Any], *, keep: int = 3,
-         extra: dict | None = None, meta: dict | None = None) -> Path | None:
-    """Write a checkpoint of the session and ``objects`` (model/optimizer/scheduler); rank 0's path, else None."""
+         extra: dict | None = None, meta: dict | None = None, generation: int | None = None) -> Path | None:
+    """Write a checkpoint of the session and ``objects`` (model/optimizer/scheduler); rank 0's path, else None.
+    ``generation``: where the shards went (:meth:`~omnilearn.checkpoint.CheckpointStore.save`)."""
     if not session.interval_ended:
         session.sync_buffers()
     state = gathered_state(session)
@@ -102,7 +103,7 @@ def save(session: Session, directory: str | Path, objects: dict[str, Any], *, ke
         try:  # a state_dict() that raises is rank 0's failure: every rank raises it, below, naming rank 0
             full: dict[str, Any] = {"session": state, "extra": extra or {}, **objects_state(session, objects)}
             info = {"workers": session.world_size, "global_batch": session.global_batch, **(meta or {})}
-            path = CheckpointStore(directory, keep).save(session.next_step, full, info)
+            path = CheckpointStore(directory, keep).save(session.next_step, full, info, generation=generation)
         except CheckpointError as e:  # a value that would not load back: it names the field
             error = str(e)
         except Exception as e:  # every rank raises it, below
@@ -123,9 +124,10 @@ def save_with_shards(session: Session, directory: str | Path, objects: dict[str,
     rank's shards; the store then prunes shard directories with their checkpoints and sweeps those of cut saves.
     """
     model, optimizer = objects["model"], objects.get("optimizer")
-    sharded.save_sharded(model, optimizer, directory, session.next_step)  # a collective: every rank's shards
+    generation = CheckpointStore(directory).next_generation(session.next_step)  # shared storage: one answer
+    sharded.save_sharded(model, optimizer, directory, session.next_step, generation)  # a collective
     rest = {name: obj for name, obj in objects.items() if name not in ("model", "optimizer")}
-    return save(session, directory, rest, keep=keep, extra=extra, meta={"sharded": True})
+    return save(session, directory, rest, keep=keep, extra=extra, meta={"sharded": True}, generation=generation)
 
 
 def gathered_state(session: Session) -> dict:
@@ -152,12 +154,12 @@ def load(session: Session, directory: str | Path, objects: dict[str, Any]) -> di
     state = CheckpointStore.decode(data, path)  # every rank, once, on the CPU; the same error everywhere
     del found, data  # the file's bytes go before the state is copied into the model
     if sharded.is_sharded(objects.get("model")):
-        step = int(path.stem.split("-")[1])
-        if not sharded.dcp_dir(path.parent, step).is_dir():
-            raise CheckpointError(f"{path} has no shard directory {sharded.dcp_dir(path.parent, step).name} beside "
-                                  "it: it was saved without a sharded model (load it without model=, or into an "
-                                  "unsharded model)")
-        sharded.load_sharded(objects["model"], objects.get("optimizer"), path.parent, step)
+        step, generation = step_of(path)
+        shards = sharded.dcp_dir(path.parent, step, generation)
+        if not shards.is_dir():
+            raise CheckpointError(f"{path} has no shard directory {shards.name} beside it: it was saved without a "
+                                  "sharded model (load it without model=, or into an unsharded model)")
+        sharded.load_sharded(objects["model"], objects.get("optimizer"), path.parent, step, generation)
         objects = {name: obj for name, obj in objects.items() if name not in ("model", "optimizer")}
     return _apply(session, state, objects)
 
@@ -176,7 +178,7 @@ def fetch_latest(ctx: DistContext, store: CheckpointStore) -> tuple[Path, bytear
             header = {"error": str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"}
         else:
             if found is not None:
-                header, data = {"path": str(store.path(found[0]))}, found[1]
+                header, data = {"path": str(store.data_path(found[0]))}, found[1]
     with cpu_group(ctx) as group:
         sent = bytearray(json.dumps(header).encode()) if ctx.is_main else None
         header = json.loads(broadcast_chunks(ctx, sent, group))

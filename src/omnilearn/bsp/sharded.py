@@ -207,27 +207,28 @@ def full_state(model: nn.Module) -> dict:
 
 
 # ------------------------------------------------------------ checkpoints through torch.distributed.checkpoint
-def dcp_dir(directory: Path, step: int) -> Path:
-    return Path(directory) / f"step-{step:09d}.dcp"
+def dcp_dir(directory: Path, step: int, generation: int = 0) -> Path:
+    """The shard directory of ``step`` in ``generation`` (:mod:`omnilearn.checkpoint`: a step saved again)."""
+    return Path(directory) / (f"step-{step:09d}.g{generation}.dcp" if generation else f"step-{step:09d}.dcp")
 
 
-def save_sharded(model: nn.Module, optimizer, directory: str | Path, step: int) -> None:
+def save_sharded(model: nn.Module, optimizer, directory: str | Path, step: int, generation: int = 0) -> None:
     """Every rank writes its shards of the model (and optimizer) into ``step-<step>.dcp`` (a collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    target = dcp_dir(Path(directory), step)
+    target = dcp_dir(Path(directory), step, generation)
     model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
     state = {"model": model_state} if optimizer is None else {"model": model_state, "optimizer": optim_state}
     dcp.save(state, checkpoint_id=str(target))
 
 
-def load_sharded(model: nn.Module, optimizer, directory: str | Path, step: int) -> None:
+def load_sharded(model: nn.Module, optimizer, directory: str | Path, step: int, generation: int = 0) -> None:
     """Load ``step-<step>.dcp`` into the sharded model (and optimizer), at any world size (DCP reshards)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    source = dcp_dir(Path(directory), step)
+    source = dcp_dir(Path(directory), step, generation)
     model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
     state = {"model": model_state} if optimizer is None else {"model": model_state, "optimizer": optim_state}
     try:
