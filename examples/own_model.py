@@ -9,7 +9,7 @@
 A plain DDP script differs in the lines marked ``# OmniLearn``: set-up,
 the device, model wrapping, the data loader, the backward call, one call
 per step, an optional evaluation record, the summary and the close.
-OmniLearn lines: 14.
+OmniLearn lines: 19.
 Model, dataset, loss, optimizer and LR schedule are ordinary PyTorch.
 ``--speeds 3,1`` emulates a worker three times slower than the other, so the
 controller has something to balance: watch the "rebalance" lines.
@@ -25,8 +25,10 @@ resumes from the newest checkpoint in DIR, saves one every
 ``--checkpoint-every`` steps, and when a worker or a whole node dies the
 survivors save the step in flight's start there before torchrun's agent
 restarts them (docs/failures.md, "A crash costs one step"): the job goes on
-at the new worker count, one step lost. Recipes: examples/slurm/,
-examples/kubernetes/.
+at the new worker count, one step lost. A stop signal (a scheduler's time
+limit or preemption, ``scancel``, ``kubectl delete``) stops every rank after
+the same step: a final checkpoint there, exit 143, and a requeued job
+resumes from it. Recipes: examples/slurm/, examples/kubernetes/.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import omnilearn  # OmniLearn
+from omnilearn.stopping import exit_code  # OmniLearn: 143 after SIGTERM, 130 after SIGINT
 
 
 class MajorityToken(Dataset):
@@ -115,6 +118,11 @@ def main() -> None:
             ol.step()  # OmniLearn: times the step; every 10 steps the controller may move batches
             if args.checkpoint_dir and ol.next_step % args.checkpoint_every == 0:  # OmniLearn: periodic save
                 ol.save_checkpoint(args.checkpoint_dir, **saved)  # OmniLearn
+            if ol.should_stop:  # OmniLearn: SIGTERM (a time limit, a preemption) reached a rank; all stop here
+                if args.checkpoint_dir:
+                    ol.save_checkpoint(args.checkpoint_dir, **saved)  # OmniLearn
+                ol.close()  # OmniLearn
+                raise SystemExit(exit_code())  # OmniLearn
         test_loss, acc = evaluate(model, test, device)
         ol.log_eval(test_loss, acc, epoch)  # OmniLearn: optional, the accuracy goes into the run directory
 
