@@ -155,6 +155,9 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint_and_the_run_ends_with_
     assert [e["step"] for e in events(out, "resume")] == [20] and summary["steps"] == 36
     rescued = json.loads((out / "checkpoints" / "step-000000020" / "session.json").read_text())["rescue"]
     assert rescued["worker"] in (0, 2)
+    said = [line for line in err.splitlines() if " lost a peer at step 20 " in line]  # the console, not only a log
+    assert said and all(line.startswith(("omnilearn: worker 0 ", "omnilearn: worker 2 ")) for line in said), err
+    assert any("saved the checkpoint of step 20" in line for line in said), said
     assert (out / "failures" / "attempt-1" / "tf-worker1.log").exists()
     splits = lambda name: [(e["step"], e["rank"], e["batch"]) for e in read_metrics(runs / name, "step")
                            if e["step"] >= 20]  # as the run stands: the redone steps once

@@ -134,6 +134,14 @@ def last_line(path: Path) -> str:
     return (said or lines or [""])[-1].removeprefix("omnilearn: ").removeprefix("error: ")
 
 
+def own_line(path: Path) -> bool:
+    """Whether the log has a line of OmniLearn's (``omnilearn: ...``)."""
+    try:
+        return any(line.startswith("omnilearn:") for line in path.read_text(errors="replace").splitlines())
+    except OSError:
+        return False
+
+
 def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
     """SIGTERM to every running worker, SIGKILL to those still running ``grace_s`` later."""
     for p in procs:
@@ -243,6 +251,21 @@ def first_failed(procs: list[subprocess.Popen | Forked]) -> int:
     return min(failed, key=lambda r: (procs[r].returncode >= 0, r))
 
 
+LOST_PEER = re.compile(r"^omnilearn: worker \d+ lost a peer at step \d+ ")  # a survivor's line (omnilearn.tf.rescue)
+
+
+def survivors_lines(run_dir: Path, workers: int) -> list[str]:
+    """The line each survivor of a lost peer wrote into its log (what it saved, or why nothing), in rank order."""
+    found = []
+    for rank in range(workers):
+        try:
+            text = log_path(run_dir, rank).read_text(errors="replace")
+        except OSError:
+            continue
+        found += [line for line in text.splitlines() if LOST_PEER.match(line)][-1:]
+    return found
+
+
 def _outcome(procs: list[subprocess.Popen | Forked], run_dir: Path, first: int | None) -> None:
     """Raise for the first worker that ended badly (a stop on request is Interrupted)."""
     codes = [p.returncode for p in procs]
@@ -252,6 +275,10 @@ def _outcome(procs: list[subprocess.Popen | Forked], run_dir: Path, first: int |
     code, said = codes[rank], last_line(log_path(run_dir, rank))
     if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
         raise Interrupted(code - 128, f"worker {rank} stopped: {said}")
+    for line in survivors_lines(run_dir, len(procs)):  # what the survivors saved: on the console, not only the logs
+        print(line, file=sys.stderr, flush=True)
     how = f"killed by {signal_name(-code)}" if code < 0 else f"exit {code}"
+    if code < 0 and not own_line(log_path(run_dir, rank)):  # killed: its last line is whatever it printed before,
+        said = ""  # not the cause, unless OmniLearn wrote it (a watcher says why it kills its worker)
     raise WorkerFailed(f"TensorFlow worker {rank} failed ({how}){': ' + said if said else ''} "
                        f"(log: {log_path(run_dir, rank)})")
