@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,17 +70,71 @@ def commit(mark: Path, write_parts: Callable[[], object], mark_bytes: Callable[[
 @contextmanager
 def claimed(claim: Path) -> Iterator[bool]:
     """One writer among processes that cannot talk (survivors of a lost peer): True when this process created
-    ``claim`` (``O_EXCL``), False when another holds it. Ours goes when the block ends; one left by a writer killed
-    mid-save is the caller's to sweep."""
-    try:
-        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
+    ``claim`` (``O_EXCL``), False when another holds it. Ours goes when the block ends. The claim names its writer
+    (host, pid, start time): one left by a writer that died (killed mid-save) on this host is stale, and is
+    taken over (renamed away first, so of two survivors finding it only one does), else a later failure at the
+    same step would save nothing. A writer on another host cannot be checked: its claim holds."""
+    claim = Path(claim)
+    for _ in range(2):  # a stale claim: once more after taking it away
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if not stale(claim):
+                yield False
+                return
+            try:
+                os.replace(claim, claim.with_name(f"{claim.name}.stale-{os.getpid()}"))
+            except FileNotFoundError:  # another survivor took it away first: try to create it like it
+                pass
+            else:
+                claim.with_name(f"{claim.name}.stale-{os.getpid()}").unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(_writer())
+        break
+    else:
         yield False
         return
     try:
         yield True
     finally:
-        Path(claim).unlink(missing_ok=True)
+        claim.unlink(missing_ok=True)
+
+
+def start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot, ``/proc``), None when it is gone or not readable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _writer() -> str:
+    return f"{socket.gethostname()} {os.getpid()} {start_time(os.getpid()) or '-'}\n"
+
+
+def stale(claim: Path) -> bool:
+    """Whether ``claim`` was left by a writer that is gone: on this host, its pid no longer runs, or another process
+    (a later start time) has that pid now. A claim that names no writer (an older version's) counts as live."""
+    try:
+        host, pid, started = Path(claim).read_text().split()
+    except (OSError, ValueError):
+        return False
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    now = start_time(int(pid))
+    return now is None or (started != "-" and now != started)
+
+
+def sweep_claims(directory: Path) -> None:
+    """Remove the stale claims in ``directory`` (``.<name>.claim`` files whose writer is gone): an ordinary save's
+    tidying, at every door."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if p.name.startswith(".") and p.name.endswith(".claim") and stale(p):
+            p.unlink(missing_ok=True)
 
 
 def _prune(done: Path, prune: Callable[[], object] | None) -> None:
@@ -160,13 +215,14 @@ def committed_directories(parent: Path, mark_name: str) -> dict[str, Path]:
 
 def recover_directories(parent: Path, mark_name: str) -> None:
     """Mend what a crash in :func:`commit_directory` left in ``parent``: temporary directories removed; an aside
-    put back where its final name holds no committed checkpoint, else removed."""
+    put back where its final name holds no committed checkpoint, else removed; stale claims removed."""
     parent = Path(parent)
     if not parent.is_dir():
         return
     for p in parent.iterdir():
         if _TMP.match(p.name):
             shutil.rmtree(p, ignore_errors=True)
+    sweep_claims(parent)
     for p in parent.iterdir():
         aside = _ASIDE.match(p.name)
         if aside is None:

@@ -124,3 +124,37 @@ def test_only_marked_directories_count_and_an_aside_counts_for_its_name(tmp_path
     recover_directories(tmp_path, MARK)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
     assert committed_directories(tmp_path, MARK) == {"step-3": tmp_path / "step-3"}
+
+
+def test_a_claim_left_by_a_dead_writer_is_taken_over_and_a_live_ones_is_not(tmp_path):
+    """A survivor SIGKILLed mid-save leaves its claim: the next failure at the same step must still save (it said
+    "saved by another survivor" and saved nothing: issue 50). The claim names its writer; on this host a writer
+    that is gone is seen; another host's writer cannot be, and its claim holds."""
+    import signal
+    import socket
+
+    from omnilearn.checkpoint import CheckpointStore
+    from omnilearn.commit import claimed, stale, sweep_claims
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    pid = os.fork()
+    if pid == 0:  # a survivor killed between its .pt and its manifest, its claim held
+        store.save_once(7, {"v": 1}, after_parts=lambda: os.kill(os.getpid(), signal.SIGKILL))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    claim = store.dir / ".step-000000007.claim"
+    assert claim.exists() and stale(claim) and store.steps() == []
+    assert store.save_once(7, {"v": 2}) is not None and store.load(7) == {"v": 2}  # saved, not "by another"
+    assert not claim.exists() and not list(store.dir.glob("*.stale-*"))
+
+    with claimed(claim) as mine:  # live: this process holds it
+        assert mine and not stale(claim)
+        with claimed(claim) as again:
+            assert not again
+    here = socket.gethostname()
+    for text, live in [(f"{here} {pid} 1\n", False), (f"elsewhere.example {pid} 1\n", True), ("", True)]:
+        claim.write_text(text)  # a dead pid here; the same elsewhere; an older version's empty claim
+        assert stale(claim) is not live
+        sweep_claims(store.dir)
+        assert claim.exists() is live
+        claim.unlink(missing_ok=True)

@@ -37,7 +37,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from omnilearn.bsp.rescue import RestartStoreWarning, arm  # noqa: F401  (re-exported)
 from omnilearn.bsp.checkpointing import from_bytes, gathered_state, session_state, to_bytes
-from omnilearn.commit import claimed, commit, sync_tree
+from omnilearn.commit import claimed, commit, start_time, sweep_claims, sync_tree
 from omnilearn.observe.rundir import sync
 from omnilearn.config import ConfigError
 from omnilearn.distributed.collect import broadcast_bytes, gather_bytes
@@ -69,6 +69,7 @@ def save(session: Any, folder: str | Path, write_folder: Callable[[], object], *
     try:
         if writer:
             commit(Path(folder) / SESSION_FILE, write_folder, lambda: to_bytes(state), prune)
+            sweep_survivors_leftovers(Path(folder).parent)
         else:
             write_folder()
     except Exception as e:  # every rank raises it, below
@@ -135,6 +136,17 @@ def rescue(session: Any, output_dir: str | Path, step: int, write_parts: Callabl
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return f"saved {final}: train(resume_from_checkpoint=True) resumes there"
+
+
+def sweep_survivors_leftovers(output_dir: Path) -> None:
+    """What survivors killed mid-save left (an ordinary save's tidying): their stale claims, and their
+    ``.checkpoint-<n>.rescue-<pid>`` folders whose process is gone (never the mark of a checkpoint: the folder is
+    renamed into place only once complete)."""
+    sweep_claims(output_dir)
+    for p in output_dir.glob(f".{PREFIX_CHECKPOINT_DIR}-*.rescue-*"):
+        pid = p.name.rsplit("-", 1)[1]
+        if pid.isdigit() and start_time(int(pid)) is None:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def rotate(run_dir: str | Path, limit: int | None, keep: str | Path, best: str | None) -> None:
