@@ -141,6 +141,7 @@ class DieOnce(keras.callbacks.Callback):  # worker 1 is killed at step 14, once
 
 
 history = ol.fit(model, x, y, epochs=4, callbacks=[
+    keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.8 if epoch else rate),  # from the current
     keras.callbacks.BackupAndRestore(str(out / "backup"), save_freq=4),
     keras.callbacks.CSVLogger(str(out / "log.csv"), append=True), DieOnce()])
 if ol.is_main:
@@ -154,7 +155,9 @@ def test_a_keras_fit_with_backup_and_restore_survives_a_killed_worker(tmp_path):
     step 14, ``--max-restarts 1``: the survivor saves step 14 into the backup directory (a crash costs one step;
     the last backup was step 12), every worker restarts, the fit resumes at step 14 (epoch 1, batch 6: 8 steps an
     epoch) and ends with the weights of one uninterrupted process (the same script, no kill); the backup is
-    removed at the end, as Keras removes it."""
+    removed at the end, as Keras removes it. A ``LearningRateScheduler`` that scales the current rate runs in the
+    resumed epoch's ``on_epoch_begin`` again: the checkpoint's rate is put back after it (else it scaled twice,
+    5e-2 off: issue 50)."""
     from test_tf_train import float64_keras_home
 
     script, out, alone = tmp_path / "backup_fit.py", tmp_path / "run", tmp_path / "alone"

@@ -219,6 +219,7 @@ def session_state(s) -> dict[str, Any]:
             "loop": s.loop.state_dict(), "schedule": s.schedule.state_dict(), "checks": s.checks_on,
             "stretch": s.window_steps // s.cfg.control_interval, "intervals": s.intervals,
             "telemetry": s.telemetry.state_dict() if s.telemetry is not None else {},
+            "epoch_begun": getattr(s, "epoch_begun", None),
             "variables": {"model": shapes(s.model.weights), "optimizer": shapes(s.optimizer.variables)}}
 
 
@@ -274,6 +275,7 @@ def load_session_state(s, state: dict[str, Any]) -> None:
         if s.cfg.min_window_s > 0:  # as the last interval stretched it (older states: not stretched)
             s.window_steps = s.cfg.control_interval * min(int(state.get("stretch", 1)), MAX_STRETCH)
     s.steps_done, s.next_step = int(state["steps_done"]), int(state["next_step"])
+    s.epoch_begun = state.get("epoch_begun")  # ol.fit: whether the resumed epoch's callbacks began it already
     s.clock.restore(float(state["train_s"]))
     if s.telemetry is not None:
         s.telemetry.resume(state.get("telemetry", {}), s.next_step, int(state["world_size"]))

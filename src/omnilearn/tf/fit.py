@@ -131,9 +131,14 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
     hooks.on_train_begin()
     logs: dict[str, float] = {}
     first = session.next_step  # after a resume: the checkpoint's step
+    kept = began_rate(session, model.optimizer, first, steps_per_epoch)
     for epoch in range(first // steps_per_epoch, epochs):
         metrics.reset()
         hooks.on_epoch_begin(epoch)
+        session.epoch_begun = epoch
+        if kept is not None:  # the epoch began before the checkpoint: its callbacks' rate is in it already
+            model.optimizer.learning_rate.assign(kept)
+            kept = None
         for batch in range(first % steps_per_epoch if epoch == first // steps_per_epoch else 0, steps_per_epoch):
             hooks.on_train_batch_begin(batch)
             xb, yb = next(batches)
@@ -155,6 +160,21 @@ def fit(session, model: keras.Model, x, y=None, *, epochs: int = 1, verbose: str
     if backup is not None and backup.delete_checkpoint and not session.should_stop and session.is_main:
         shutil.rmtree(session.checkpoints.directory, ignore_errors=True)  # done: Keras deletes its backup too
     return history
+
+
+def began_rate(session, optimizer, first: int, steps_per_epoch: int):
+    """The optimizer's learning rate as the checkpoint holds it, when the fit resumes at step ``first`` of an epoch
+    that had begun before the checkpoint was saved (a resume inside an epoch, or a survivor's save at its first
+    step); else None. The resumed fit calls the epoch's ``on_epoch_begin`` again (its callbacks need it), and a
+    callback that sets the rate from the current one (``LearningRateScheduler(lambda epoch, lr: lr * 0.8)``)
+    would apply itself twice: 5e-2 off the uninterrupted weights, measured. The rate is put back after it."""
+    epoch, begun = first // steps_per_epoch, session.epoch_begun
+    if begun is None and first % steps_per_epoch:  # a state from before epoch_begun was saved: inside an epoch
+        begun = epoch
+    rate = getattr(optimizer, "learning_rate", None)
+    if not first or begun != epoch or not hasattr(rate, "assign"):
+        return None
+    return rate.numpy()
 
 
 def backup_and_restore(session, callbacks: list | None, steps_per_epoch: int):

@@ -134,6 +134,7 @@ class TFSession:
         self.resume = False  # load the newest checkpoint once wrap() and data() are done
         self.restarted = False  # this run continues one in its run directory (resume, a launcher's restart)
         self.rescued: str | None = None  # the line said once a peer was lost (omnilearn.tf.rescue)
+        self.epoch_begun: int | None = None  # ol.fit: the epoch whose on_epoch_begin ran last (checkpointed)
         self.iterations_at: tuple[int, int] | None = None  # (steps done, optimizer.iterations) then: the rescue's mark
 
     rank = property(lambda self: self.cluster.rank)
