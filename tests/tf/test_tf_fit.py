@@ -138,3 +138,30 @@ def test_the_csv_log_and_checkpoint_are_worker_0s_and_match_one_worker(runs):
     for a, b in zip(one, three):
         assert {k: float(v) for k, v in b.items()} == pytest.approx({k: float(v) for k, v in a.items()}, rel=1e-12)
     assert (runs["base"] / "three" / "best.weights.h5").exists()
+
+
+RESUME_SCRIPT = Path(__file__).with_name("fit_resume_script.py")
+
+
+def test_a_fit_stopped_at_every_interval_end_and_resumed_ends_on_the_uninterrupted_weights(runs):
+    """``fit`` with ``BackupAndRestore`` and a rate scheduler (tests/tf/fit_resume_script.py), one worker: run after
+    run, each stopped one interval after it resumed (at steps 3, 6, 9: inside every epoch, the last one
+    included), until one completes: the same weights as the run never stopped (float64; 1.7e-1 off when the
+    resumed epoch's scheduler scaled the rate a second time: issue 50). Every worker count resumes through
+    the same code (tests/tf/test_tf_launch.py resumes 2 launched workers inside an epoch)."""
+    home = {"KERAS_HOME": str(runs["base"] / "keras-float64")}
+    env = {**os.environ, **home, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": ""}
+    whole, stopped = runs["base"] / "resume-whole", runs["base"] / "resume-stopped"
+    for out, stop in ((whole, "0"), *((stopped, "1"),) * 6):
+        if stop == "1" and (stopped / "weights.npz").exists():
+            break
+        out.mkdir(exist_ok=True)
+        [done] = tfpool.run_scripts([[str(RESUME_SCRIPT), str(out), stop]], [env], out / "logs", timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    chain = [json.loads(line) for line in (stopped / "runs.jsonl").read_text().splitlines()]
+    assert [(r["start"], r["end"]) for r in chain if not r["done"]][:3] == [(0, 3), (3, 6), (6, 9)], chain
+    assert chain[-1]["done"] and chain[-1]["end"] == 12, chain
+    with np.load(whole / "weights.npz") as a, np.load(stopped / "weights.npz") as b:
+        for name in a.files:
+            relative = np.linalg.norm(b[name] - a[name]) / np.linalg.norm(a[name])
+            assert relative < 1e-12, f"{name}: relative difference {relative:.2e}"
