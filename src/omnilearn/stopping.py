@@ -39,6 +39,7 @@ _signal_name: list[str] = []
 _signal: list[tuple[int, float]] = []  # (signum, monotonic time) of the first signal
 _replaced: dict[int, object] = {}  # signum -> the handler install_handlers() replaced (restore_handlers)
 _announce: list[bool] = [False]  # say on stderr what the first signal does (omnilearn.setup() on rank 0)
+_leaving: list[bool] = [False]  # ending after a failure: a signal says nothing (leaving())
 DUPLICATE_S = 1.0  # a second signal this soon is the same stop (kill -TERM -<pgid> and the launcher both send one)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -76,9 +77,17 @@ def exit_code() -> int:
 
 def clear() -> None:
     """Forget a request (tests, and a process that starts a new run)."""
+    _leaving[0] = False
     _requested.clear()
     _signal_name.clear()
     _signal.clear()
+
+
+def leaving() -> None:
+    """This process is ending after a failure (a survivor of a lost peer, saving and raising on): a stop signal now
+    still waits for the save, but says nothing (its "stopping after the next control interval end" would not
+    happen)."""
+    _leaving[0] = True
 
 
 def _note(signum: int) -> bool:
@@ -89,7 +98,7 @@ def _note(signum: int) -> bool:
     _signal.append((signum, now))
     name = signal.Signals(signum).name
     request_stop(f"{name} received")
-    if _announce[0]:  # os.write: print() could re-enter a stderr write the signal interrupted
+    if _announce[0] and not _leaving[0]:  # os.write: print() could re-enter a stderr write the signal interrupted
         os.write(2, f"omnilearn: {name} received: stopping after the next control interval end "
                     f"(ol.should_stop); send it again to exit at once\n".encode())
     return False

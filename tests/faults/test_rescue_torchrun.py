@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -106,6 +107,12 @@ def test_two_failures_in_a_row_cost_a_step_each(whole, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert [(a["start"], a["world"]) for a in attempts(tmp_path)] == [(0, 3), (7, 3), (15, 3)]
     assert "lost a peer at step 7" in done.stderr and "lost a peer at step 15" in done.stderr
+    # the survivors' console: their lines, not gloo's traceback (kept in the checkpoint directory) nor a "stopping
+    # after the next control interval end" for the agent's SIGTERM while they exit anyway
+    said = "\n".join(line for line in done.stderr.splitlines() if not re.match(r"[IWE]\d{4} ", line))  # not the agent's
+    assert "Traceback" not in said and "GLHF" not in said and "stopping after the next" not in said, said[-3000:]
+    assert "omnilearn: the lost peer's error and its traceback: " in said
+    assert "Connection reset by peer" in (tmp_path / "ckpt" / "error-rank0.log").read_text()
     rescued = {json.loads(p.read_text())["meta"]["rescue"]["step"] for p in (tmp_path / "ckpt").glob("*.json")}
     assert rescued == {7, 15}
     assert rel_diff(whole, tmp_path) < 1e-12

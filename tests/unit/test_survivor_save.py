@@ -50,6 +50,11 @@ def test_a_wrapped_lost_peer_is_seen_through_its_cause():
     assert peer_lost(PeerLost("gone"))
 
 
+def test_a_lost_peer_seen_through_ddps_comm_hook_is_said_by_gloos_own_words():
+    wrapped = RuntimeError(f"Got the following error when running the callback: RuntimeError: {GLOO_RESET}")
+    assert peer_lost(wrapped) and why_lost(wrapped) == "Read error [127.0.0.1]:22181: Connection reset by peer"
+
+
 def test_the_line_is_short():
     assert first_line(RuntimeError(GLOO_CLOSED)) == "Connection closed by peer [127.0.0.1]:56023"
     assert first_line(RuntimeError("")) == "RuntimeError"

@@ -26,6 +26,7 @@ name                                                      used by
 ``distributed_c10d._get_default_store()``                 distributed/group.py (default_store)
 ``DataLoader._iterator``, ``..._shutdown_workers()``      data/loader.py (release the workers)
 ``torch._dynamo`` (preloaded module)                      experiments/launch/supervise.py
+``init_process_group``'s ``_distributed_excepthook``        bsp/rescue.py (a survivor's traceback to a file)
 ========================================================  ==========================================
 
 Run: ``python -m pytest -q tests/unit/test_torch_private_names.py``
@@ -241,3 +242,19 @@ def test_compiled_module_keeps_the_original_as_orig_mod():
     net = nn.Linear(2, 2)
     assert torch.compile(net)._orig_mod is net, "torch.compile's OptimizedModule no longer keeps _orig_mod"
 
+
+
+def test_init_process_group_wraps_the_excepthook_it_found_as_old_hook(tmp_path):
+    """bsp/rescue.py's ``_prints_only``: torch's rank-prefixing excepthook calls the hook it replaced, ``old_hook``
+    (a survivor's traceback goes to a file only when nothing but printing would have happened)."""
+    import sys
+
+    before = sys.excepthook
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        hook = sys.excepthook
+        assert hook.__name__ == "_distributed_excepthook", hook
+        assert inspect.getclosurevars(hook).nonlocals.get("old_hook") is before
+    finally:
+        sys.excepthook = before
+        dist.destroy_process_group()

@@ -62,10 +62,12 @@ Run: ``python -m pytest -q tests/unit/test_survivor_save.py tests/faults/test_re
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import sys
 import time
+import traceback
 import warnings
 import weakref
 from pathlib import Path
@@ -73,6 +75,7 @@ from typing import Any, Callable
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from omnilearn import stopping
 from omnilearn.bsp import checkpointing, sharded
 from omnilearn.checkpoint import CheckpointStore
 from omnilearn.distributed import watchdog
@@ -109,6 +112,7 @@ class Rescue:
         """A peer is gone (``error``): save the last completed step, once; the line said (also on stderr)."""
         if self.rescued is None:
             seen = time.time()
+            stopping.leaving()  # the agent's SIGTERM now waits for the save, without "stopping after ..."
             said = why_lost(error)
             self.rescued = f"omnilearn: rank {self.rank} lost a peer at step {self.next_step} ({said}); " \
                            + self._save_rescue(seen)
@@ -196,11 +200,49 @@ def _hung(verdict: str) -> None:
         session._hung(verdict)
 
 
-def _excepthook(kind, value, traceback) -> None:
+def _excepthook(kind, value, tb) -> None:
+    previous = getattr(_excepthook, "previous", sys.__excepthook__)
     if peer_lost(value):
-        for session in list(_GUARDED):
+        sessions = list(_GUARDED)
+        for session in sessions:
             session._lost(value)
-    getattr(_excepthook, "previous", sys.__excepthook__)(kind, value, traceback)
+        kept = _keep_traceback(sessions, kind, value, tb) if _prints_only(previous) else None
+        if kept is not None:  # the backend's traceback (gloo's advice, C++ frames) in a file; one line here
+            print(f"omnilearn: the lost peer's error and its traceback: {kept}", file=sys.stderr, flush=True)
+            return
+    previous(kind, value, tb)
+
+
+def _prints_only(hook) -> bool:
+    """Whether ``hook`` only prints the traceback: Python's own, or torch's rank-prefixing wrapper of it
+    (``init_process_group``'s ``_distributed_excepthook``, its ``old_hook``: tests/unit/test_torch_private_names.py).
+    A user's own hook is always called."""
+    for _ in range(4):
+        if hook is sys.__excepthook__:
+            return True
+        if getattr(hook, "__name__", "") != "_distributed_excepthook":
+            return False
+        hook = inspect.getclosurevars(hook).nonlocals.get("old_hook")
+    return False
+
+
+def _keep_traceback(sessions: list, kind, value, tb) -> Path | None:
+    """Append the traceback to ``error-rank<r>.log`` in the run directory (rank 0 with ``out=``), else the
+    directory the survivor saves into; None where there is neither (it is printed then, as before)."""
+    for session in sessions:
+        where = session.run_dir or (session.rescue_to[0] if session.rescue_to else None)
+        if where is None:
+            continue
+        path = Path(where) / f"error-rank{session.rank}.log"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(f"{time.time():.6f} {kind.__name__}: {first_line(value)}\n")
+                f.write("".join(traceback.format_exception(kind, value, tb)))
+        except OSError:
+            continue
+        return path
+    return None
 
 
 SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"

@@ -27,7 +27,7 @@ import re
 # gloo's transport errors when the other end is gone; NCCL's remote-failure wording
 _LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|Socket closed"
                    r"|remote process exited|ncclRemoteError|NCCL communicator was aborted", re.IGNORECASE)
-_WHERE = re.compile(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
+_WHERE = re.compile(r"^.*?\[[^\]]*\.(cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] ", and a wrapper before it
 _ADVICE = re.compile(r"\. This is typically")  # gloo's advice after the cause
 
 
