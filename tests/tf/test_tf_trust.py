@@ -290,7 +290,7 @@ def test_a_resume_whose_data_differs_is_one_line_naming_both_and_the_fix(changed
     with pytest.raises(ConfigError) as refused:
         check_resume(Planned(), saved_state(**changed))
     said = str(refused.value)
-    assert "\n" not in said and says in said and "(omnilearn.tf.setup keyword; --" in said, said
+    assert "\n" not in said and says in said and "(omnilearn.tf.setup keyword; omnilearn train --" in said, said
     assert "omnilearn.setup keyword" not in said
 
 
@@ -300,7 +300,7 @@ def test_a_resume_of_another_global_batch_names_the_keyword():
 
     state = {**saved_state(), "global_batch": 2 * BATCH}
     with pytest.raises(ConfigError, match=rf"global_batch={2 * BATCH} \(omnilearn.tf.setup keyword; "
-                                          rf"--global-batch {2 * BATCH} on the command line\)"):
+                                          rf"omnilearn train --global-batch {2 * BATCH}\)"):
         check_resume(Planned(), state)
 
 

@@ -68,7 +68,7 @@ def refusal(state: dict, n: int = 96, **kw) -> str:
 def test_another_seed_is_refused_naming_both_and_the_keyword():
     message = refusal(trained_state(seed=0), seed=1)
     assert "saved with seed 0 but this run has seed 1" in message
-    assert "seed=0 (omnilearn.setup keyword; --seed 0 on the command line)" in message
+    assert "seed=0 (omnilearn.setup keyword; omnilearn train --seed 0)" in message
 
 
 def test_another_dataset_length_is_refused():

@@ -40,8 +40,9 @@ def basis(plan: Any) -> dict[str, Any]:
 
 
 def keyword(name: str, value: Any) -> str:
-    """``seed=0 (omnilearn.setup keyword; --seed 0 on the command line)``: the fix in every door's words."""
-    return f"{name}={value} (omnilearn.setup keyword; --{name.replace('_', '-')} {value} on the command line)"
+    """``seed=0 (omnilearn.setup keyword; omnilearn train --seed 0)``: the fix in the API's words, and the flag of the
+    one command that has it (``omnilearn launch`` has none: its script's ``setup()`` sets it)."""
+    return f"{name}={value} (omnilearn.setup keyword; omnilearn train --{name.replace('_', '-')} {value})"
 
 
 def _fix(name: str, saved: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ from omnilearn.config import ConfigError, api_wording
 from omnilearn.distributed.group import join_torchrun
 
 BATCH_KEYWORDS = ("global_batch", "local_batch")
-_CORE_KEYWORD = re.compile(r" \(omnilearn\.setup keyword; --[a-z-]+ \S+ on the command line\)")
+_CORE_KEYWORD = re.compile(r" \(omnilearn\.setup keyword; omnilearn train --[a-z-]+ \S+\)")
 
 
 def _batch_size(loader: Any, who: str) -> int:
@@ -78,7 +78,7 @@ def join_round_group(strategy: Any) -> None:
 
 
 def door_wording(message: str, who: str) -> str:
-    """The core's refusal in the door's words: ``seed=0 (omnilearn.setup keyword; --seed 0 on the command line)``
+    """The core's refusal in the door's words: ``seed=0 (omnilearn.setup keyword; omnilearn train --seed 0)``
     becomes ``seed=0 (an OmniLearnStrategy keyword)``; CLI flags alone (``--global-batch 60``) become keywords."""
     return api_wording(_CORE_KEYWORD.sub(f" (an {who} keyword)", message))
 
