@@ -198,3 +198,22 @@ def test_overwrite_removes_the_old_runs_step_rows_too(tmp_path):
         prepare(str(run), False, "workers = 2\n")
     prepare(str(run), True, "workers = 2\n")
     assert not (run / "steps").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_a_torchrun_restart_keeps_its_own_record_whatever_overwrite_says(tmp_path, monkeypatch):
+    """``omnilearn.setup(out=DIR, overwrite=True)`` replaces an earlier run in DIR; a torchrun restart of the same
+    job (``TORCHELASTIC_RESTART_COUNT`` > 0) goes on writing it (examples/own_model.py's steps 0-24 were wiped by
+    its own restart: issue 50), and a restart of a job without ``overwrite`` is not refused for its own record."""
+    import omnilearn
+
+    out = tmp_path / "run"
+    for attempt, overwrite in (("0", True), ("1", True), ("2", False)):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        omnilearn.setup(global_batch=8, device="cpu", handle_signals=False, out=str(out), overwrite=overwrite).release()
+        with open(out / "metrics.jsonl", "a") as f:  # what the attempt recorded
+            f.write(json.dumps({"event": "eval", "epoch": int(attempt)}) + "\n")
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in evals] == [0, 1, 2]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new job: overwrite replaces the record
+    omnilearn.setup(global_batch=8, device="cpu", handle_signals=False, out=str(out), overwrite=True).release()
+    assert not (out / "metrics.jsonl").exists()

@@ -16,6 +16,7 @@ Run: ``python -m pytest -q tests/dist/test_api.py tests/faults/test_api_stops.py
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from omnilearn import stopping
@@ -59,5 +60,8 @@ def _setup(config: BalanceConfig | None, total_steps: int | None, local_batch: i
     first = dataclasses.replace(config, **settings) if config is not None else BalanceConfig(**settings)
     ctx = group.join(first.device, first.timeout_s)
     cfg = for_world(config, settings, local_batch, ctx.world_size)
-    run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg)) if cfg.out is not None and ctx.is_main else None
+    run_dir = None
+    if cfg.out is not None and ctx.is_main:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0  # torchrun restarted this job
+        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg), keep=restarted)
     return Session(cfg, ctx, run_dir, total_steps)

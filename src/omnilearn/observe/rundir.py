@@ -170,13 +170,16 @@ def clear_run(path: Path) -> None:
         shutil.rmtree(path / STEPS_DIR)
 
 
-def prepare(out: str | None, overwrite: bool, config_toml: str) -> Path:
-    """Check and create the run directory, then write ``config.toml`` into it (:class:`DiskFull` when full)."""
-    path = check_out(out, overwrite)
+def prepare(out: str | None, overwrite: bool, config_toml: str, keep: bool = False) -> Path:
+    """Check and create the run directory, then write ``config.toml`` into it (:class:`DiskFull` when full).
+    ``keep``: the same job again (a torchrun restart of it): its record goes on in the directory, whatever
+    ``overwrite`` says (``overwrite`` replaces an earlier run, not the one restarting)."""
+    path = check_out(out, overwrite or keep)
     data = config_toml.encode("utf-8")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        clear_run(path)
+        if not keep:
+            clear_run(path)
         write_atomic(path / "config.toml", lambda f: f.write(data))
     except OSError as e:
         full = full_disk_error(e)
