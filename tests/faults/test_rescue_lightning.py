@@ -75,6 +75,7 @@ def test_a_killed_writer_costs_one_step(tmp_path):
     again = json.loads((killed / "attempt-1.json").read_text())
     assert (again["start"], again["world"]) == (4, 3)
     assert not (killed / "ck" / "on_exception.ckpt").exists()  # the resumed fit ended well: Lightning removed it
+    assert not (killed / "ck" / ".on_exception.ckpt.omnilearn").exists()  # and the survivors' lock file: swept
     ends_uninterrupted(killed)
 
 

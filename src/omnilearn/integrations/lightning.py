@@ -214,6 +214,8 @@ class OmniLearnStrategy(lightning_rescue.SurvivorSave, DDPStrategy):
     def on_train_end(self) -> None:
         self._last_state = self.session.state_dict()
         self.summary = self.session.finish()
+        if self.session.is_main:  # the fit completed: an earlier attempt's survivors are done with their lock file
+            lightning_rescue.sweep_lock(self.lightning_module.trainer)
         super().on_train_end()
 
     def teardown(self) -> None:

@@ -72,6 +72,19 @@ def target(trainer: Any) -> Path | None:
     return None
 
 
+def lock_of(path: Path) -> Path:
+    """The file survivors hold (``flock``) while one of them writes ``path``, recording the step it holds."""
+    return path.with_name(f".{path.name}.omnilearn")
+
+
+def sweep_lock(trainer: Any) -> None:
+    """Remove the survivors' lock file beside the checkpoint they write (a completed fit: an earlier attempt's
+    survivors have long exited; it stayed behind after every failure)."""
+    path = target(trainer)
+    if path is not None:
+        lock_of(path).unlink(missing_ok=True)
+
+
 class SurvivorSave:
     """``OmniLearnStrategy``'s side of it (a mixin before ``DDPStrategy``): the save on a lost peer, and the
     barriers and checkpoint saves a survivor skips after it."""
@@ -212,7 +225,7 @@ def write_newest(path: Path, step: int, seen: float, write, resumes: str = 'trai
     """``write`` into ``path`` atomically unless another survivor holds this step or a newer one (module docstring);
     ``resumes``: what resumes it, for the line."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.omnilearn"), "a+") as held:
+    with open(lock_of(path), "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         held.seek(0)
         try:
