@@ -229,3 +229,28 @@ def test_a_meeting_that_fails_for_a_lost_peer_saves_too(tmp_path):
     assert ol.meeting is None and "saved the checkpoint of step 0" in ol.rescued
     assert CheckpointStore(tmp_path).steps() == [0]
     ol.release()
+
+
+def test_an_optimizer_update_waits_while_the_watchdogs_thread_saves():
+    """A false "hung" verdict: the watchdog's thread copies the model while the all-reduce it thought stuck ends
+    under it; the update waits (an optimizer step pre-hook on the save's lock) so the copy never sees half of it."""
+    import threading
+
+    import omnilearn
+    from omnilearn.bsp import rescue
+
+    ol = omnilearn.setup(global_batch=8, device="cpu", handle_signals=False)
+    rescue.guard(ol)
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    opt = torch.optim.SGD([weight], lr=0.5)
+    order = []
+    with rescue._SAVING:  # the watchdog's thread, saving
+        step = threading.Thread(target=lambda: (opt.step(), order.append("updated")))
+        step.start()
+        step.join(0.5)  # time for an update that did not wait (a wait, not a deadline)
+        order.append("saved")
+        assert torch.equal(weight.detach(), torch.ones(3))
+    step.join()
+    assert order == ["saved", "updated"] and torch.equal(weight.detach(), torch.full((3,), 0.5))
+    ol.release()

@@ -66,6 +66,7 @@ import inspect
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -73,7 +74,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from omnilearn import stopping
 from omnilearn.bsp import checkpointing, sharded
@@ -82,7 +83,8 @@ from omnilearn.distributed import watchdog
 from omnilearn.distributed.lost import PeerLost, first_line, peer_lost, why_lost
 
 _GUARDED: "weakref.WeakSet[Rescue]" = weakref.WeakSet()  # the sessions sys.excepthook rescues
-_UPDATES: list = []  # the optimizer step hook's handle, registered once per process
+_UPDATES: list = []  # the optimizer step hooks' handles, registered once per process
+_SAVING = threading.Lock()  # held by the watchdog's thread while it saves; optimizer.step() waits on it
 
 
 class Rescue:
@@ -126,13 +128,14 @@ class Rescue:
         nothing is saved, and the line says so."""
         if self.rescued is not None:
             return
-        if self.ledger.open is None or self.timer.reduced_s:
-            self.rescued = (f"omnilearn: rank {self.rank}: {verdict}; nothing was saved: this rank was past the "
-                            "step's gradient all-reduce (its optimizer may be mid-update); a restart resumes from "
-                            "the last checkpoint")
-            print(self.rescued, file=sys.stderr, flush=True)
-            return
-        self._lost(PeerLost(verdict))
+        with _SAVING:  # a false verdict (a slow peer): the all-reduce may end now; optimizer.step() waits for this
+            if self.ledger.open is None or self.timer.reduced_s:
+                self.rescued = (f"omnilearn: rank {self.rank}: {verdict}; nothing was saved: this rank was past the "
+                                "step's gradient all-reduce (its optimizer may be mid-update); a restart resumes "
+                                "from the last checkpoint")
+                print(self.rescued, file=sys.stderr, flush=True)
+                return
+            self._lost(PeerLost(verdict))
 
     def _save_rescue(self, seen: float) -> str:
         if self.updated_at == self.next_step:
@@ -176,8 +179,9 @@ def guard(session: Rescue) -> None:
     """Rescue ``session`` when a lost peer's error leaves the script uncaught (``sys.excepthook``, chained), and
     when the heartbeat watchdog names a hung peer (:func:`omnilearn.distributed.watchdog.before_exit`)."""
     _GUARDED.add(session)
-    if not _UPDATES:  # once per process: every optimizer's update notes the step it applies
-        _UPDATES.append(register_optimizer_step_post_hook(_updated))
+    if not _UPDATES:  # once per process: every optimizer's update notes the step it applies, and waits for a save
+        _UPDATES.append(register_optimizer_step_post_hook(_updated))  # the watchdog's thread is making
+        _UPDATES.append(register_optimizer_step_pre_hook(_not_while_saving))
     watchdog.before_exit(_hung)
     if sys.excepthook is not _excepthook:
         _excepthook.previous = sys.excepthook  # type: ignore[attr-defined]
@@ -187,6 +191,13 @@ def guard(session: Rescue) -> None:
 def unguard(session: Rescue) -> None:
     """``session`` is done (released): no longer rescued by the hook."""
     _GUARDED.discard(session)
+
+
+def _not_while_saving(optimizer, args, kwargs) -> None:
+    """Before any optimizer's update: wait while the watchdog's thread copies the model (a false "hung" verdict
+    lets the all-reduce end under it; the copy must not see half an update). Uncontended: a lock taken and let go."""
+    with _SAVING:
+        pass
 
 
 def _updated(optimizer, args, kwargs) -> None:
