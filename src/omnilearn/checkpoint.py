@@ -65,7 +65,7 @@ from typing import Any, Callable
 
 import torch
 
-from omnilearn.commit import CheckpointWarning, claimed, commit
+from omnilearn.commit import CheckpointWarning, claimed, commit, held
 from omnilearn.observe.rundir import write_atomic
 from omnilearn.weightsonly import FIX, first_refused, refused_field, refused_global
 
@@ -156,10 +156,13 @@ class CheckpointStore:
         return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name)))
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None, prune: bool = True,
-             after_parts: Callable[[], object] | None = None, generation: int | None = None) -> Path:
+             after_parts: Callable[[], object] | None = None, generation: int | None = None,
+             claim: bool = True) -> Path:
         """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step, whose files stay until the
         new manifest is in place); keep the newest K. ``generation``: where the parts go (default
-        :meth:`next_generation`; a sharded save wrote its shards there already).
+        :meth:`next_generation`; a sharded save wrote its shards there already). ``claim``: take the step's claim
+        first (waiting while a survivor's :meth:`save_once` of the same step holds it: their writes would
+        interleave); :meth:`save_once` holds it already.
 
         A value ``torch.load(weights_only=True)`` would refuse is a :class:`CheckpointError` before anything is written.
         The sequence is :func:`commit`'s: the ``.pt``, then its manifest (the mark), then :meth:`prune` (not with
@@ -173,6 +176,9 @@ class CheckpointStore:
         torch.save(state, buffer)
         data = buffer.getbuffer()
         self.dir.mkdir(parents=True, exist_ok=True)
+        if claim:
+            with held(self._claim(step)):
+                return self.save(step, state, meta, prune, after_parts, generation, claim=False)
         generation = self.next_generation(step) if generation is None else generation
         path = self.path(step, generation)
 
@@ -199,8 +205,12 @@ class CheckpointStore:
         if step in self.steps():
             return None
         self.dir.mkdir(parents=True, exist_ok=True)
-        with claimed(self.dir / f".step-{step:09d}.claim") as mine:
-            return self.save(step, state, meta, prune=False, after_parts=after_parts) if mine else None
+        with claimed(self._claim(step)) as mine:
+            return self.save(step, state, meta, prune=False, after_parts=after_parts, claim=False) if mine else None
+
+    def _claim(self, step: int) -> Path:
+        """The claim of ``step``'s one writer (:func:`omnilearn.commit.claimed`)."""
+        return self.dir / f".step-{step:09d}.claim"
 
     def prune(self) -> None:
         """Delete all but the newest ``keep`` checkpoints (their companion directories too), and what cut writes

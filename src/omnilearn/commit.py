@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import socket
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,6 +100,23 @@ def claimed(claim: Path) -> Iterator[bool]:
         yield True
     finally:
         claim.unlink(missing_ok=True)
+
+
+@contextmanager
+def held(claim: Path, wait_s: float = 60.0, poll_s: float = 0.05) -> Iterator[None]:
+    """:func:`claimed` for a writer that must write (an ordinary save): while another holds the claim (a survivor
+    saving the same checkpoint: the two writes would interleave), wait for it, up to ``wait_s``; then
+    ``TimeoutError`` naming the claim (nothing written)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with claimed(claim) as mine:
+            if mine:
+                yield
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{claim} is held by another writer of the same checkpoint (a survivor's save) "
+                               f"after {wait_s:g} s; nothing was written")
+        time.sleep(poll_s)
 
 
 def start_time(pid: int) -> str | None:

@@ -460,3 +460,23 @@ def test_a_crash_after_any_filesystem_step_of_a_save_leaves_the_old_or_the_new_c
             break
         crash_after += 1
     assert crash_after >= 3  # the .pt, the manifest and the prune (the old generation or the older step) each hit
+
+
+def test_an_ordinary_save_waits_for_a_survivors_save_of_the_same_step(tmp_path):
+    """Rank 0's ordinary save of step 5 while a survivor writes step 5 (its claim held): the two writes would
+    interleave (a manifest of one over the data of the other); the ordinary save waits for the claim."""
+    import threading
+
+    from omnilearn.commit import claimed
+
+    store = CheckpointStore(tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    done = []
+    with claimed(tmp_path / ".step-000000005.claim") as mine:  # the survivor, mid-save
+        assert mine
+        writer = threading.Thread(target=lambda: done.append(store.save(5, {"v": torch.tensor(2.0)})))
+        writer.start()
+        writer.join(0.5)  # time for a save that did not wait (a wait, not a deadline)
+        assert not done and store.steps() == []
+    writer.join()
+    assert done and store.steps() == [5] and float(store.load(5)["v"]) == 2.0
