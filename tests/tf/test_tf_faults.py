@@ -54,8 +54,9 @@ def test_a_dead_worker_fails_the_run_naming_it(tmp_path):
 
 
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
-    out = tmp_path / "run"
-    p = launch(out, "--speeds", "2,1", "--max-steps", "100000")
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    p = launch(out, "--speeds", "2,1", "--max-steps", "100000", env={"TMPDIR": str(tmp)})
     deadline = time.monotonic() + 600  # a hang guard; a launcher that ended early is seen at once
     while time.monotonic() < deadline and p.poll() is None and not has_step_rows(out):
         time.sleep(0.2)  # training has started
@@ -73,14 +74,16 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     assert "SIGTERM received: stopped at step" in said and "after a checkpoint; continue with --resume" in said, \
         f"{said[-2000:]}\n--- worker 1:\n{(out / 'tf-worker1.log').read_text()[-2000:]}\n--- launcher:\n{stderr[-2000:]}"
     assert len(list((out / "checkpoints").glob("step-*/session.json"))) == 1
+    assert list(tmp.iterdir()) == []  # the workers' TMPDIR (TensorFlow's autograph modules) went with the run
 
 
 def test_sigterm_to_tensorflow_asp_stops_the_chief_and_every_server_which_listened_on_loopback_only(tmp_path):
     """``--mode asp``: a parameter server, two worker servers and the chief, forked into a network namespace of
     loopback only. SIGTERM to the launcher while the chief trains: the chief and every server stopped, one line,
     exit 143, nothing left (they outlived the launcher before, re-parented: issue 50)."""
-    out = tmp_path / "run"
-    p = launch(out, "--mode", "asp", "--workers", "2", "--max-time-s", "600")
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    p = launch(out, "--mode", "asp", "--workers", "2", "--max-time-s", "600", env={"TMPDIR": str(tmp)})
     deadline = time.monotonic() + 600  # a hang guard; a launcher that ended early is seen at once
     pushes = out / "metrics.jsonl"
     while time.monotonic() < deadline and p.poll() is None and '"push"' not in (pushes.read_text()
@@ -100,7 +103,7 @@ def test_sigterm_to_tensorflow_asp_stops_the_chief_and_every_server_which_listen
         if not [pid for pid in run if listeners.alive(pid)]:
             break
         time.sleep(0.1)
-    assert not [pid for pid in run if listeners.alive(pid)]
+    assert not [pid for pid in run if listeners.alive(pid)] and list(tmp.iterdir()) == []  # nor a temporary file
 
 
 def test_a_hung_worker_is_named_within_the_heartbeat_and_the_restart_finishes_the_run(tmp_path):

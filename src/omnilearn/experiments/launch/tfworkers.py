@@ -55,7 +55,7 @@ from omnilearn.experiments.launch.supervise import (
     start_method,  # re-exported: the commands check it before they write anything
 )
 from omnilearn.experiments.launch.grace import StopWait
-from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent, say_exposed
+from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent, private_tmp, say_exposed
 from omnilearn.experiments.train import restarts
 from omnilearn.experiments.train.tfjob import JOB_CONFIG_ENV
 from omnilearn.observe.console import startup
@@ -88,16 +88,17 @@ def fork_server(workers: int, device: str, run_dir: Path, command: list[str],
     says ``spawn``), kept across restarts; ``None``: each worker is a fresh interpreter. ``network="private"``: the
     workers in a network namespace of loopback only (:mod:`omnilearn.experiments.launch.netns`); where that
     cannot be, or with ``"host"``, one line says their servers listen on every interface."""
-    if start_method() == "spawn":
-        say_exposed(f"{START_METHOD_ENV}=spawn starts each worker on its own, outside a private network")
-        yield None
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    private = network == "private"
-    with ForkServer(common_env(workers, device), log_path(run_dir, 0), command, isolate=private) as server:
-        if server.exposed:
-            say_exposed(f"a private network could not be made: {server.exposed}" if private else "--network host")
-        yield server
+    with private_tmp():  # the workers' TMPDIR (TensorFlow's autograph files), removed with the run
+        if start_method() == "spawn":
+            say_exposed(f"{START_METHOD_ENV}=spawn starts each worker on its own, outside a private network")
+            yield None
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        private = network == "private"
+        with ForkServer(common_env(workers, device), log_path(run_dir, 0), command, isolate=private) as server:
+            if server.exposed:
+                say_exposed(f"a private network could not be made: {server.exposed}" if private else "--network host")
+            yield server
 
 
 def start(workers: int, device: str, run_dir: Path, command: list[str], extra_env: dict[str, str] | None = None,

@@ -44,7 +44,14 @@ from omnilearn.experiments.launch.supervise import (
     signal_name,
     start_method,
 )
-from omnilearn.experiments.launch.tfforks import POLL_S, Forked, ForkServer, die_with_parent, say_exposed
+from omnilearn.experiments.launch.tfforks import (
+    POLL_S,
+    Forked,
+    ForkServer,
+    die_with_parent,
+    private_tmp,
+    say_exposed,
+)
 
 TF_PRELOAD = ("tensorflow", "keras", "omnilearn.tf.asp")  # what the servers and the chief import
 
@@ -53,6 +60,11 @@ ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt|Exit
 
 
 def run_local(cfg: TrainConfig, run_dir: Path) -> None:
+    with private_tmp():  # the servers' and chief's TMPDIR (TensorFlow's autograph files), removed with the run
+        _run_local(cfg, run_dir)
+
+
+def _run_local(cfg: TrainConfig, run_dir: Path) -> None:
     if start_method() == "spawn":
         from omnilearn.tf.servers import local_cluster
 
