@@ -1,4 +1,5 @@
-"""A local run's TensorFlow processes in a network namespace of their own, where loopback is the only interface.
+"""A local run's TensorFlow processes kept apart: a network namespace where loopback is the only interface, and a
+temporary directory of their own (:func:`private_tmp`).
 
 Why. TensorFlow's gRPC server binds every interface (``0.0.0.0:PORT``, which Linux serves as ``[::]:PORT``)
 whatever address the cluster spec gives: the address is hard-coded in TensorFlow's ``GrpcServer::Init`` and no
@@ -20,11 +21,16 @@ No torch, no TensorFlow. Run: ``python -m pytest -q tests/unit/test_netns.py tes
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
+import shutil
 import socket
 import struct
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 CLONE_NEWUSER = 0x10000000
@@ -81,3 +87,28 @@ def interfaces(pid: int | str = "self") -> list[str]:
     """The network interfaces a process sees (``/proc/PID/net/dev``)."""
     lines = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
     return [line.split(":", 1)[0].strip() for line in lines if ":" in line]
+
+
+@contextlib.contextmanager
+def private_tmp() -> Iterator[Path]:
+    """``TMPDIR`` of a run's TensorFlow processes while the block runs (they inherit it from the launcher's
+    environment): a directory of their own, removed at the end. TensorFlow's autograph writes a module per traced
+    function into the temporary directory and a worker that ends with ``os._exit`` never removes them (thousands
+    piled up in ``/tmp``)."""
+    path = Path(tempfile.mkdtemp(prefix="omnilearn-tf-"))
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def say_exposed(why: str) -> None:
+    """The one line of a local run whose TensorFlow servers are not in a private namespace (``why``: the reason)."""
+    print(f"omnilearn: this run's TensorFlow servers listen on every interface ({why}): whoever reaches this "
+          "machine can send them work; run it on a trusted network (docs/security.md)", file=sys.stderr, flush=True)

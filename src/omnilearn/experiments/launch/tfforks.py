@@ -36,7 +36,6 @@ Run: ``python -m pytest -q tests/unit/test_tfforks.py tests/tf``
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import importlib
@@ -44,12 +43,10 @@ import json
 import os
 import runpy
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from omnilearn.experiments.launch import freshchild  # first: its snapshot is the server's signals at start
@@ -65,31 +62,6 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
-
-
-@contextlib.contextmanager
-def private_tmp() -> Iterator[Path]:
-    """``TMPDIR`` of a run's TensorFlow processes while the block runs (they inherit it from the launcher's
-    environment): a directory of their own, removed at the end. TensorFlow's autograph writes a module per traced
-    function into the temporary directory and a worker that ends with ``os._exit`` never removes them (thousands
-    piled up in ``/tmp``)."""
-    path = Path(tempfile.mkdtemp(prefix="omnilearn-tf-"))
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(path)
-    try:
-        yield path
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def say_exposed(why: str) -> None:
-    """The one line of a local run whose TensorFlow servers are not in a private namespace (``why``: the reason)."""
-    print(f"omnilearn: this run's TensorFlow servers listen on every interface ({why}): whoever reaches this "
-          "machine can send them work; run it on a trusted network (docs/security.md)", file=sys.stderr, flush=True)
 
 
 def _in_the_child(why: int | None) -> None:

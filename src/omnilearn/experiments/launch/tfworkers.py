@@ -55,7 +55,8 @@ from omnilearn.experiments.launch.supervise import (
     start_method,  # re-exported: the commands check it before they write anything
 )
 from omnilearn.experiments.launch.grace import StopWait
-from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent, private_tmp, say_exposed
+from omnilearn.experiments.launch.netns import private_tmp, say_exposed
+from omnilearn.experiments.launch.tfforks import Forked, ForkServer, die_with_parent
 from omnilearn.experiments.train import restarts
 from omnilearn.experiments.train.tfjob import JOB_CONFIG_ENV
 from omnilearn.observe.console import startup

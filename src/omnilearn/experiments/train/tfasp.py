@@ -44,14 +44,8 @@ from omnilearn.experiments.launch.supervise import (
     signal_name,
     start_method,
 )
-from omnilearn.experiments.launch.tfforks import (
-    POLL_S,
-    Forked,
-    ForkServer,
-    die_with_parent,
-    private_tmp,
-    say_exposed,
-)
+from omnilearn.experiments.launch.netns import private_tmp, say_exposed
+from omnilearn.experiments.launch.tfforks import POLL_S, Forked, ForkServer, die_with_parent
 
 TF_PRELOAD = ("tensorflow", "keras", "omnilearn.tf.asp")  # what the servers and the chief import
 
