@@ -114,3 +114,20 @@ def test_a_system_that_refuses_namespaces_is_said_not_hidden(tmp_path, monkeypat
     with tfforks.ForkServer({**os.environ}, tmp_path / "server.log", [sys.executable], preload=(),
                             isolate=True) as server:
         assert server.exposed == "unshare(CLONE_NEWUSER | CLONE_NEWNET) was refused (Operation not permitted)"
+
+
+def test_a_sigkilled_launchers_temporary_directory_is_swept_by_the_next_run(tmp_path, monkeypatch):
+    """A launcher SIGKILLed leaves its run's ``TMPDIR`` (nobody is left to remove it); the next local run removes
+    those whose launcher is gone, and never a live one's."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # a pid that no longer runs
+    dead, live = tmp_path / f"{netns.TMP_PREFIX}{pid}-abc", tmp_path / f"{netns.TMP_PREFIX}{os.getpid()}-def"
+    for d in (dead, live):
+        (d / "sub").mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(netns.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    with netns.private_tmp() as mine:
+        assert mine.parent == tmp_path and not dead.exists() and live.exists()
+    assert not mine.exists() and live.exists()

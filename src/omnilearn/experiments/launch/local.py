@@ -60,6 +60,7 @@ from omnilearn.distributed.watchdog import (SERVER, Watchdog, exit_on_lost, rank
                                             start_watchdog, write_error_log)
 from omnilearn.experiments.config import TrainConfig
 from omnilearn.experiments.launch.grace import StopWait
+from omnilearn.experiments.launch.netns import sweep_gone
 from omnilearn.observe.console import startup, took
 from omnilearn.runplan import SpeedScheduleWarning
 from omnilearn.experiments.launch.supervise import (PIDS_FILE, Interrupted, Rules, SignalTrap, WorkerFailed, Workers, outcome,
@@ -273,21 +274,8 @@ STORE_PREFIX = "omnilearn-store-"
 def private_store_dir() -> str:
     """A new temp directory for the rendezvous files, named after this launcher's pid; first remove those of
     launchers that are gone (a SIGKILLed launcher cannot clean up: its workers die with it, its directory stays)."""
-    for old in Path(tempfile.gettempdir()).glob(f"{STORE_PREFIX}*-*"):
-        pid = old.name[len(STORE_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    sweep_gone(Path(tempfile.gettempdir()), STORE_PREFIX)
     return tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _cleanup_cgroups(run: str) -> None:

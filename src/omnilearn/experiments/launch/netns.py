@@ -94,8 +94,10 @@ def private_tmp() -> Iterator[Path]:
     """``TMPDIR`` of a run's TensorFlow processes while the block runs (they inherit it from the launcher's
     environment): a directory of their own, removed at the end. TensorFlow's autograph writes a module per traced
     function into the temporary directory and a worker that ends with ``os._exit`` never removes them (thousands
-    piled up in ``/tmp``)."""
-    path = Path(tempfile.mkdtemp(prefix="omnilearn-tf-"))
+    piled up in ``/tmp``). A launcher SIGKILLed cannot remove it: the next run sweeps the directories of
+    launchers that are gone (the name holds the launcher's pid)."""
+    sweep_gone(Path(tempfile.gettempdir()), TMP_PREFIX)
+    path = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(path)
     try:
@@ -106,6 +108,20 @@ def private_tmp() -> Iterator[Path]:
         else:
             os.environ["TMPDIR"] = before
         shutil.rmtree(path, ignore_errors=True)
+
+
+TMP_PREFIX = "omnilearn-tf-"
+
+
+def sweep_gone(parent: Path, prefix: str) -> None:
+    """Remove the directories ``<prefix><pid>-*`` in ``parent`` whose launcher (``pid``) no longer runs: a
+    SIGKILLed launcher cannot clean up (its workers die with it, its directory stays)."""
+    from omnilearn.commit import start_time
+
+    for p in parent.glob(f"{prefix}*-*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and start_time(int(pid)) is None and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def say_exposed(why: str) -> None:
