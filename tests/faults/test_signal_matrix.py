@@ -47,6 +47,10 @@ def pushed(out: Path) -> bool:
     return metrics.exists() and '"push"' in metrics.read_text()
 
 
+def benching(out: Path) -> bool:
+    return any(out.glob("*/steps/rank-*.jsonl"))
+
+
 def started(out: Path) -> bool:
     return all((out.parent / f"started-{rank}").exists() for rank in (0, 1))
 
@@ -60,11 +64,13 @@ COMMANDS = {
                               "--max-time-s", "3600"], pushed, TF),
     "train-pytorch-asp": (["train", "--mode", "asp", "--workers", "2", "--max-time-s", "3600"], pushed, None),
     "launch": (["launch", "--workers", "2"], started, TF),
+    "bench-pytorch": (["bench", "--quick"], benching, None),
 }
 CASES = [("train-tensorflow", signal.SIGINT), ("train-tensorflow", signal.SIGKILL),
          ("train-tensorflow-asp", signal.SIGINT), ("train-tensorflow-asp", signal.SIGKILL),
          ("train-pytorch-asp", signal.SIGTERM), ("train-pytorch-asp", signal.SIGKILL),
-         ("launch", signal.SIGTERM), ("launch", signal.SIGINT), ("launch", signal.SIGKILL)]
+         ("launch", signal.SIGTERM), ("launch", signal.SIGINT), ("launch", signal.SIGKILL),
+         ("bench-pytorch", signal.SIGTERM), ("bench-pytorch", signal.SIGKILL)]
 
 
 def _params():
