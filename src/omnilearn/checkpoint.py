@@ -53,6 +53,7 @@ Run: ``python -m pytest -q tests/unit/test_checkpoint.py``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -176,9 +177,12 @@ class CheckpointStore:
         torch.save(state, buffer)
         data = buffer.getbuffer()
         self.dir.mkdir(parents=True, exist_ok=True)
-        if claim:
-            with held(self._claim(step)):
-                return self.save(step, state, meta, prune, after_parts, generation, claim=False)
+        with held(self._claim(step)) if claim else contextlib.nullcontext():
+            return self._write(step, data, meta, prune, after_parts, generation)
+
+    def _write(self, step: int, data: memoryview, meta: dict[str, Any] | None, prune: bool,
+               after_parts: Callable[[], object] | None, generation: int | None) -> Path:
+        """:meth:`save`'s files, the step's claim held: the ``.pt`` of ``data``, its manifest, the prune."""
         generation = self.next_generation(step) if generation is None else generation
         path = self.path(step, generation)
 
@@ -258,7 +262,7 @@ class CheckpointStore:
             manifest = self.manifest(step)
         except (OSError, ValueError) as e:
             raise CheckpointDamaged(f"checkpoint {path} is damaged: its manifest cannot be read ({e})") from None
-        path = self.data_path(step)
+        path = self.path(step, int(manifest.get("generation", 0)))
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}; this version reads "
                                   f"{FORMAT}: resume with the version that wrote it")

@@ -112,7 +112,8 @@ def test_two_failures_in_a_row_cost_a_step_each(whole, tmp_path):
     said = "\n".join(line for line in done.stderr.splitlines() if not re.match(r"[IWE]\d{4} ", line))  # not the agent's
     assert "Traceback" not in said and "GLHF" not in said and "stopping after the next" not in said, said[-3000:]
     assert "omnilearn: the lost peer's error and its traceback: " in said
-    assert "Connection reset by peer" in (tmp_path / "ckpt" / "error-rank0.log").read_text()
+    kept = (tmp_path / "ckpt" / "error-rank0.log").read_text()  # the last failure's (gloo: reset or closed)
+    assert re.search(r"Connection (reset|closed) by peer", kept) and "Traceback (most recent call last)" in kept
     rescued = {json.loads(p.read_text())["meta"]["rescue"]["step"] for p in (tmp_path / "ckpt").glob("*.json")}
     assert rescued == {7, 15}
     assert rel_diff(whole, tmp_path) < 1e-12

@@ -238,21 +238,17 @@ def _prints_only(hook) -> bool:
 
 
 def _keep_traceback(sessions: list, kind, value, tb) -> Path | None:
-    """Append the traceback to ``error-rank<r>.log`` in the run directory (rank 0 with ``out=``), else the
-    directory the survivor saves into; None where there is neither (it is printed then, as before)."""
+    """The traceback into ``error-rank<r>.log`` (:func:`omnilearn.distributed.watchdog.write_error_log`) in the run
+    directory (rank 0 with ``out=``), else the directory the survivor saves into; None where there is neither, or
+    it cannot be written (it is printed then, as before)."""
     for session in sessions:
         where = session.run_dir or (session.rescue_to[0] if session.rescue_to else None)
         if where is None:
             continue
-        path = Path(where) / f"error-rank{session.rank}.log"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(f"{time.time():.6f} {kind.__name__}: {first_line(value)}\n")
-                f.write("".join(traceback.format_exception(kind, value, tb)))
-        except OSError:
-            continue
-        return path
+        Path(where).mkdir(parents=True, exist_ok=True)
+        details = "".join(traceback.format_exception(kind, value, tb))
+        if watchdog.write_error_log(Path(where), session.rank, f"{kind.__name__}: {first_line(value)}", details):
+            return Path(where) / f"error-rank{session.rank}.log"
     return None
 
 

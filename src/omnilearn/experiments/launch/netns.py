@@ -37,6 +37,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS = 0x8913, 0x8914
 IFF_UP, IFF_RUNNING = 0x1, 0x40
+TMP_PREFIX = "omnilearn-tf-"  # private_tmp's directories: omnilearn-tf-<launcher pid>-...
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: isolate() may run between a fork and an exec
@@ -108,9 +109,6 @@ def private_tmp() -> Iterator[Path]:
         else:
             os.environ["TMPDIR"] = before
         shutil.rmtree(path, ignore_errors=True)
-
-
-TMP_PREFIX = "omnilearn-tf-"
 
 
 def sweep_gone(parent: Path, prefix: str) -> None:
