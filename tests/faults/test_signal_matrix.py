@@ -1,128 +1,23 @@
-"""A stop signal to a command that starts processes leaves nothing behind: no process, no listening socket, no
-temporary file. One test per command and signal, generated from the table below (the cases other files do not
-run already: ``omnilearn train`` on PyTorch BSP with SIGINT, SIGTERM and SIGKILL is tests/faults/test_stops.py;
-TensorFlow BSP and ASP with SIGTERM is tests/tf/test_tf_faults.py).
-
-Each case starts the command for a long run with a ``TMPDIR`` of the test's own, waits until it trains (or, for
-``omnilearn launch``, until every worker of its script started), sends the signal to the launcher, and checks:
-the exit status (128 + the signal when it could stop its workers; killed by SIGKILL otherwise), that every
-process of the run's tree (read from ``/proc`` while it ran) is gone, and that the ``TMPDIR`` holds nothing
-(after SIGKILL, only the launcher's own directory, which nobody is left to remove: the next run sweeps it,
-tests/unit/test_netns.py; and, for PyTorch, multiprocessing's ``pymp-*`` forkserver directory, a gap still
-open). ``torchinductor_<user>`` is torch's compile cache, kept across runs on purpose: not counted. Nothing is
-timed: the waits are hang guards.
+"""A stop signal to a PyTorch command that starts processes leaves nothing behind: no process, no listening socket,
+no temporary file. One test per command and signal (tests/signalcase.py says what each checks); the cases other
+files do not run already: ``omnilearn train`` on PyTorch BSP with SIGINT, SIGTERM and SIGKILL is
+tests/faults/test_stops.py; TensorFlow and ``omnilearn launch`` are tests/tf/test_tf_signal_matrix.py.
 
 Run: ``python -m pytest -q tests/faults/test_signal_matrix.py``
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import listeners
 import pytest
-from needs import needs
-from runfiles import has_step_rows
+import signalcase
 
 pytestmark = pytest.mark.dist
-GUARD_S = 600  # a hang guard, never a deadline
-
-SLEEPY = """
-import json, os, sys, time
-from pathlib import Path
-rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-Path(sys.argv[1], f"started-{rank}").write_text(str(os.getpid()))
-while True:
-    time.sleep(0.05)
-"""
-
-
-def pushed(out: Path) -> bool:
-    metrics = out / "metrics.jsonl"
-    return metrics.exists() and '"push"' in metrics.read_text()
-
-
-def benching(out: Path) -> bool:
-    return any(out.glob("*/steps/rank-*.jsonl"))
-
-
-def started(out: Path) -> bool:
-    return all((out.parent / f"started-{rank}").exists() for rank in (0, 1))
-
-
-TF = needs("tensorflow", "tensorflow")
-# command: (its arguments after ``omnilearn``, the condition that it trains, what it needs)
-COMMANDS = {
-    "train-tensorflow": (["train", "--framework", "tensorflow", "--workers", "2", "--max-steps", "100000"],
-                         has_step_rows, TF),
-    "train-tensorflow-asp": (["train", "--framework", "tensorflow", "--mode", "asp", "--workers", "2",
-                              "--max-time-s", "3600"], pushed, TF),
-    "train-pytorch-asp": (["train", "--mode", "asp", "--workers", "2", "--max-time-s", "3600"], pushed, None),
-    "launch": (["launch", "--workers", "2"], started, TF),
-    "bench-pytorch": (["bench", "--quick"], benching, None),
-}
-CASES = [("train-tensorflow", signal.SIGINT), ("train-tensorflow", signal.SIGKILL),
-         ("train-tensorflow-asp", signal.SIGINT), ("train-tensorflow-asp", signal.SIGKILL),
-         ("train-pytorch-asp", signal.SIGTERM), ("train-pytorch-asp", signal.SIGKILL),
-         ("launch", signal.SIGTERM), ("launch", signal.SIGINT), ("launch", signal.SIGKILL),
+CASES = [("train-pytorch-asp", signal.SIGTERM), ("train-pytorch-asp", signal.SIGKILL),
          ("bench-pytorch", signal.SIGTERM), ("bench-pytorch", signal.SIGKILL)]
 
 
-def _params():
-    for command, signum in CASES:
-        marks = [COMMANDS[command][2]] if COMMANDS[command][2] is not None else []
-        yield pytest.param(command, signum, id=f"{command}-{signal.Signals(signum).name}", marks=marks)
-
-
-@pytest.mark.parametrize("command, signum", _params())
+@pytest.mark.parametrize("command, signum", signalcase.params(CASES))
 def test_a_signal_to_the_command_leaves_no_process_socket_or_temporary_file(tmp_path, command, signum):
-    args, training, _ = COMMANDS[command]
-    out, tmp = tmp_path / "run", tmp_path / "tmp"
-    tmp.mkdir()
-    if command == "launch":
-        script = tmp_path / "sleepy.py"
-        script.write_text(SLEEPY)
-        args = [*args, "--out", str(out), str(script), str(tmp_path)]
-    else:
-        args = [*args, "--out", str(out), "--no-plots"]
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
-    run: list[int] = []
-    with open(tmp_path / "stdout", "wb") as so, open(tmp_path / "stderr", "wb") as se:
-        p = subprocess.Popen([sys.executable, "-m", "omnilearn", *args], stdout=so, stderr=se, env=env)
-    try:
-        deadline = time.monotonic() + GUARD_S
-        while p.poll() is None and not training(out) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        said = lambda: (tmp_path / "stderr").read_text(errors="replace")[-3000:]  # noqa: E731
-        assert p.poll() is None, said()
-        run = listeners.tree(p.pid)
-        assert len(run) >= 3, run  # the launcher and its workers
-        p.send_signal(signum)
-        code = p.wait(timeout=GUARD_S)
-        for _ in range(int(GUARD_S / 0.1)):  # what dies with the launcher goes a moment after it
-            if not [pid for pid in run if listeners.alive(pid)]:
-                break
-            time.sleep(0.1)
-        assert not [pid for pid in run if listeners.alive(pid)], (run, said())
-        left = sorted(n.name for n in tmp.iterdir() if not n.name.startswith("torchinductor_"))  # torch's cache
-        if signum == signal.SIGKILL:
-            assert code == -signal.SIGKILL
-            ours = (f"omnilearn-tf-{p.pid}-", f"omnilearn-store-{p.pid}-")  # the next local run sweeps these
-            known = "pymp-"  # multiprocessing's forkserver directory (PyTorch): left, a known gap (issue 50)
-            assert all(name.startswith((*ours, known)) for name in left), left
-        else:
-            assert code == 128 + signum, (code, said())
-            assert left == [], left
-            assert "Traceback" not in said(), said()
-    finally:
-        for pid in [pid for pid in run or [p.pid] if listeners.alive(pid)]:  # whatever a failed case left
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
+    signalcase.check(tmp_path, command, signum)
