@@ -6,8 +6,9 @@ tests/tf/test_tf_signal_matrix.py for TensorFlow and ``omnilearn launch``).
 launch``, until every worker of its script started), sends the signal to the launcher, and asserts: the exit status
 (128 + the signal when it could stop its workers; killed by SIGKILL otherwise), that every process of the run's
 tree (read from ``/proc`` while it ran) is gone, and that the ``TMPDIR`` holds nothing (after SIGKILL, only the
-launcher's own directory, which nobody is left to remove: the next run sweeps it, tests/unit/test_netns.py; and,
-for PyTorch, multiprocessing's ``pymp-*`` forkserver directory, a gap still open). ``torchinductor_<user>`` is
+launcher's own directories, which nobody is left to remove: its rendezvous or TensorFlow directory and, for
+PyTorch, multiprocessing's ``pymp-*`` fork server directory marked as the launcher's; the next run sweeps them,
+tests/unit/test_netns.py, and the sweep is run here). ``torchinductor_<user>`` is
 torch's compile cache, kept across runs on purpose: not counted. Nothing is timed: the waits are hang guards.
 """
 
@@ -23,6 +24,8 @@ from pathlib import Path
 import listeners
 import pytest
 from runfiles import has_step_rows
+
+from omnilearn.experiments.launch import mptemp
 
 GUARD_S = 600  # a hang guard, never a deadline
 
@@ -101,8 +104,9 @@ def check(tmp_path: Path, command: str, signum: int) -> None:
         if signum == signal.SIGKILL:
             assert code == -signal.SIGKILL
             ours = (f"omnilearn-tf-{p.pid}-", f"omnilearn-store-{p.pid}-")  # the next local run sweeps these
-            known = "pymp-"  # multiprocessing's forkserver directory (PyTorch): left, a known gap (issue 50)
-            assert all(name.startswith((*ours, known)) for name in left), left
+            assert all(name.startswith((*ours, mptemp.PREFIX)) for name in left), left
+            mptemp.sweep(tmp)  # what the next local run's fork server does first
+            assert [n for n in tmp.iterdir() if n.name.startswith(mptemp.PREFIX)] == [], left
         else:
             assert code == 128 + signum, (code, said())
             assert left == [], left

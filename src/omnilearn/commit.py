@@ -91,7 +91,7 @@ def claimed(claim: Path) -> Iterator[bool]:
                 claim.with_name(f"{claim.name}.stale-{os.getpid()}").unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(_writer())
+            f.write(writer_line())
         break
     else:
         yield False
@@ -127,7 +127,8 @@ def start_time(pid: int) -> str | None:
         return None
 
 
-def _writer() -> str:
+def writer_line() -> str:
+    """``host pid start-time``: who writes a claim (or owns a directory), as :func:`stale` reads it."""
     return f"{socket.gethostname()} {os.getpid()} {start_time(os.getpid()) or '-'}\n"
 
 

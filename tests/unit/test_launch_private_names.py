@@ -9,6 +9,8 @@ uses it; fix the user when one fails.
   set in each fork-server child by ``_serve_one``;
 - ``multiprocessing.util.get_temp_dir()`` and the ``listener-XXXXXXXX`` socket name of
   ``multiprocessing.connection.arbitrary_address`` (``supervise._fork_server_address_fits``);
+- ``util.get_temp_dir()`` making ``pymp-*`` in the temp dir, removed at a normal exit only (``mptemp``: the
+  launcher marks it as its own, a later run sweeps it after a SIGKILL);
 - ``multiprocessing.reduction.DupFd(fd)`` and its ``detach()`` (``supervise._Fd``);
 - ``torch._dynamo`` and the rest of ``supervise.PRELOAD``, and ``set_forkserver_preload(module_names)``
   (``supervise.start_context``).
@@ -22,6 +24,7 @@ import importlib
 import inspect
 import os
 import re
+import tempfile
 from multiprocessing import connection, forkserver, reduction, util
 
 import torch.multiprocessing as mp
@@ -47,6 +50,15 @@ def test_the_fork_servers_socket_path_is_measured_as_it_is_made():
     assert os.path.dirname(address) == util.get_temp_dir()
     assert re.fullmatch(r"listener-\w{8}", os.path.basename(address)), address
     assert len(os.fsencode(address)) == len(os.fsencode(util.get_temp_dir())) + len("/listener-XXXXXXXX")
+
+
+def test_multiprocessings_temp_dir_is_named_as_the_sweep_finds_it():
+    from omnilearn.experiments.launch import mptemp
+
+    folder = util.get_temp_dir()
+    assert os.path.dirname(folder) == tempfile.gettempdir(), folder
+    assert os.path.basename(folder).startswith(mptemp.PREFIX), \
+        "multiprocessing renamed its temp dir: review omnilearn.experiments.launch.mptemp.PREFIX"
 
 
 def test_dupfd_passes_a_descriptor_as_supervise_uses_it():

@@ -131,3 +131,24 @@ def test_a_sigkilled_launchers_temporary_directory_is_swept_by_the_next_run(tmp_
     with netns.private_tmp() as mine:
         assert mine.parent == tmp_path and not dead.exists() and live.exists()
     assert not mine.exists() and live.exists()
+
+
+def test_a_sigkilled_launchers_fork_server_directory_is_swept_and_no_one_elses(tmp_path):
+    """multiprocessing's ``pymp-*`` directory (the fork server's socket) of a SIGKILLed launcher stays; the next
+    start of the fork server removes it when the owner file names a process gone, and never a live owner's or one
+    without the file (another program's)."""
+    from omnilearn.commit import writer_line
+    from omnilearn.experiments.launch import mptemp
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # a pid that no longer runs
+    host = socket.gethostname()
+    folders = {name: tmp_path / f"{mptemp.PREFIX}{name}" for name in ("dead", "live", "foreign")}
+    for folder in folders.values():
+        (folder / "listener-1").mkdir(parents=True)
+    (folders["dead"] / mptemp.OWNER).write_text(f"{host} {pid} 1\n")
+    (folders["live"] / mptemp.OWNER).write_text(writer_line())
+    mptemp.sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pymp-foreign", "pymp-live"]

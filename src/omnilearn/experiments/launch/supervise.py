@@ -79,7 +79,7 @@ from typing import Callable, Sequence
 import torch.multiprocessing as mp
 
 from omnilearn.config import ConfigError
-from omnilearn.experiments.launch import freshchild
+from omnilearn.experiments.launch import freshchild, mptemp
 from omnilearn.experiments.launch.grace import StopWait
 from omnilearn.distributed.watchdog import SERVER, ErrorLog, hung_rank, rank_name, read_error_log, read_error_logs
 
@@ -191,6 +191,8 @@ def start_context():
     """The fork server, preloaded with :data:`PRELOAD` (Linux), or ``spawn`` (elsewhere, or asked for)."""
     if start_method() == "spawn" or not _fork_server_address_fits():
         return mp.get_context("spawn")
+    mptemp.sweep()  # the fork server directories of launchers SIGKILLed before
+    mptemp.mark()  # this one's, swept the same way if this launcher is
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     return context
