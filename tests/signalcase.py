@@ -48,6 +48,10 @@ def benching(out: Path) -> bool:
     return any(out.glob("*/steps/rank-*.jsonl"))
 
 
+def bench_pushed(out: Path) -> bool:
+    return any(pushed(arm) for arm in out.glob("*/"))
+
+
 def started(out: Path) -> bool:
     return all((out.parent / f"started-{rank}").exists() for rank in (0, 1))
 
@@ -61,6 +65,8 @@ COMMANDS = {
     "train-pytorch-asp": (["train", "--mode", "asp", "--workers", "2", "--max-time-s", "3600"], pushed),
     "launch": (["launch", "--workers", "2"], started),
     "bench-pytorch": (["bench", "--quick"], benching),
+    "bench-pytorch-asp": (["bench", "--quick", "--mode", "asp"], bench_pushed),
+    "bench-tensorflow-asp": (["bench", "--quick", "--mode", "asp", "--framework", "tensorflow"], bench_pushed),
 }
 
 

@@ -1,7 +1,8 @@
-"""A stop signal to a TensorFlow command that starts processes, or to ``omnilearn launch``, leaves nothing behind:
-no process, no listening socket, no temporary file. One test per command and signal (tests/signalcase.py says what
+"""A stop signal to a TensorFlow command that starts processes leaves nothing behind: no process, no listening
+socket, no temporary file. One test per command and signal (tests/signalcase.py says what
 each checks); the cases other files do not run already: TensorFlow BSP and ASP with SIGTERM is
-tests/tf/test_tf_faults.py; PyTorch is tests/faults/test_signal_matrix.py and tests/faults/test_stops.py.
+tests/tf/test_tf_faults.py; ``omnilearn launch`` is tests/tf/test_launch_signal_matrix.py; PyTorch is
+tests/faults/test_signal_matrix.py and tests/faults/test_stops.py.
 
 Run: ``python -m pytest -q tests/tf/test_tf_signal_matrix.py``
 """
@@ -17,7 +18,8 @@ from needs import needs
 pytestmark = [pytest.mark.dist, needs("tensorflow", "tensorflow")]
 CASES = [("train-tensorflow", signal.SIGINT), ("train-tensorflow", signal.SIGKILL),
          ("train-tensorflow-asp", signal.SIGINT), ("train-tensorflow-asp", signal.SIGKILL),
-         ("launch", signal.SIGTERM), ("launch", signal.SIGINT), ("launch", signal.SIGKILL)]
+         ("bench-tensorflow-asp", signal.SIGTERM), ("bench-tensorflow-asp", signal.SIGINT),
+         ("bench-tensorflow-asp", signal.SIGKILL)]
 
 
 @pytest.mark.parametrize("command, signum", signalcase.params(CASES))

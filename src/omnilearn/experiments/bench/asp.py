@@ -142,13 +142,14 @@ def bsp_steps(asp_results: list[dict], settings: tuple[str, ...], budget_s: floa
 
 def _launch(arms: list[Arm], out: Path) -> list[tuple[Arm, str]]:
     """Run the arms; the TensorFlow arms one cluster each, an arm that fails (a diverged run's non-finite
-    gradients) named and left out, the others measured: ``(arm, why)`` per failed one."""
+    gradients) named and left out, the others measured: ``(arm, why)`` per failed one. A signal's stop ends the
+    whole bench."""
     for a in arms:
         prepare(str(a.job.run_dir), True, dump_toml(a.job.cfg))
     if not arms or arms[0].job.cfg.framework != "tensorflow":
         launch.run_local([a.job for a in arms], out)
         return []
-    from omnilearn.experiments.launch.supervise import WorkerFailed
+    from omnilearn.experiments.launch.supervise import Interrupted, WorkerFailed
     from omnilearn.experiments.train import tfasp
 
     failed = []
@@ -156,6 +157,8 @@ def _launch(arms: list[Arm], out: Path) -> list[tuple[Arm, str]]:
         print(f"omnilearn bench: {a.setting}-{a.arm} (seed {a.job.cfg.seed}) on TensorFlow", flush=True)
         try:
             tfasp.run_local(a.job.cfg, a.job.run_dir)
+        except Interrupted:
+            raise  # a stop asked for ends the bench (exit 128 + the signal), as PyTorch's does: no next arm
         except WorkerFailed as e:
             print(f"omnilearn bench: warning: {a.setting}-{a.arm} (seed {a.job.cfg.seed}) failed, left out of its "
                   f"row: {e}", file=sys.stderr, flush=True)
