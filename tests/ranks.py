@@ -11,6 +11,7 @@ set with ``monkeypatch.setenv`` reaches its ranks, and ``capfd`` sees them.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,3 +50,10 @@ def scripted_rank_results(fn: Callable[..., None], args: tuple, out: Path, nproc
 def max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest relative difference ``|a - b| / |b|`` over the tensors of ``b`` (two state dicts)."""
     return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for a rendezvous the test sets up itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

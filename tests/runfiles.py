@@ -9,7 +9,10 @@ included: the library's readers (``read_metrics``) replay them instead.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+
+from omnilearn.checkpoint import CheckpointStore
 
 
 def _lines(path: Path) -> list[dict]:
@@ -43,3 +46,15 @@ def after_last_resume(run: Path, kind: str) -> list[dict]:
 def has_step_rows(run: Path) -> bool:
     """Whether training has written a step row yet (any rank's file)."""
     return any('"event":"step"' in p.read_text() for p in rank_files(run))
+
+
+def stopped_at(src: Path, dst: Path, step: int) -> Path:
+    """``src``'s run directory as it was when a run stopped right after its checkpoint of ``step``."""
+    shutil.copytree(src, dst)
+    store = CheckpointStore(dst / "checkpoints")
+    for later in [s for s in store.steps() if s > step]:
+        store.path(later).with_suffix(".json").unlink()
+        store.path(later).unlink()
+    for name in ("model.pt", "summary.json"):
+        (dst / name).unlink()
+    return dst

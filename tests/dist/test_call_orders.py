@@ -14,10 +14,9 @@ Run: ``python -m pytest -q tests/dist/test_call_orders.py``
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
-from ranks import start_ranks
+from ranks import free_port, start_ranks
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -116,12 +115,6 @@ def _forward_again(ol, model) -> str:
     except ConfigError as e:
         return str(e)
     return "accepted"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

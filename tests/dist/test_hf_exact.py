@@ -25,12 +25,11 @@ Run: ``python -m pytest -q tests/dist/test_hf_exact.py`` (about 30 s on 2 cores)
 from __future__ import annotations
 
 import os
-import socket
 from typing import TYPE_CHECKING
 
 import pytest
 from needs import needs
-from ranks import scripted_rank_results
+from ranks import free_port, scripted_rank_results
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -161,12 +160,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.save(result, f"{out}/rank{rank}.pt")
     from omnilearn.distributed import group
     group.destroy()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ from pathlib import Path
 import agents
 import listeners
 import pytest
+from ranks import free_port
 import torch
 import torch.nn.functional as F
 
@@ -48,12 +48,6 @@ SCRIPT = Path(__file__).with_name("rescue_script.py")
 TIMEOUT_S = 240
 # the default last call (30 s) would wait that long per round; a dead node's keep-alive is missed after 3 s, not 15
 RDZV_CONF = "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from runfiles import after_last_resume, raw_events
+from ranks import free_port
+from runfiles import after_last_resume, raw_events, stopped_at
 
 from omnilearn import checkpoint
 from omnilearn.checkpoint import CheckpointStore
@@ -57,18 +56,6 @@ def rel_diff(a: Path, b: Path) -> float:
     rel = float(num / sum((wa[k].double() ** 2).sum() for k in wa) ** 0.5)
     print(f"relative weight difference {rel:.3g}")
     return rel
-
-
-def stopped_at(src: Path, dst: Path, step: int) -> Path:
-    """``src``'s run directory as it was when a run stopped right after its checkpoint of ``step``."""
-    shutil.copytree(src, dst)
-    store = CheckpointStore(dst / "checkpoints")
-    for later in [s for s in store.steps() if s > step]:
-        store.path(later).with_suffix(".json").unlink()
-        store.path(later).unlink()
-    for name in ("model.pt", "summary.json"):
-        (dst / name).unlink()
-    return dst
 
 
 def events(run: Path, kind: str) -> list[dict]:
@@ -157,12 +144,6 @@ def test_kill9_without_restarts_fails_naming_the_rank(tmp_path, monkeypatch, cap
     assert train(tmp_path / "run") == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("omnilearn: error: worker rank 1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_restart_resumes(uninterrupted, tmp_path):
