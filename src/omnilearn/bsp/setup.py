@@ -63,5 +63,5 @@ def _setup(config: BalanceConfig | None, total_steps: int | None, local_batch: i
     run_dir = None
     if cfg.out is not None and ctx.is_main:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0  # torchrun restarted this job
-        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg), keep=restarted)
+        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg), keep=restarted, hold=True)  # a re-run may resume
     return Session(cfg, ctx, run_dir, total_steps)

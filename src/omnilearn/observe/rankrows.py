@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from omnilearn.observe import heldrun
 from omnilearn.observe.rundir import STEPS_DIR, MetricsLog
 from omnilearn.observe.suffix import SuffixStats
 
@@ -51,6 +52,7 @@ class RankRows:
         self.log: MetricsLog | None = None
         self.stats = SuffixStats(("sum",) * 3)  # per step: batch, compute_s, wait_s
         self.add_s = 0.0  # time spent in add(): this rank's share of the record's cost
+        self.first_written = False
 
     def _file(self) -> MetricsLog | None:
         if self.log is None and self.run_dir is not None:  # opened at the first write: rank 0 has made the dir
@@ -61,6 +63,9 @@ class RankRows:
     def add(self, rows: Sequence[Sequence[float]]) -> None:
         """This rank's rows of one window: written (one flush) and added to the sums."""
         start = time.perf_counter()
+        if self.rank == 0 and not self.first_written:  # resumed or not, every rank has decided by now
+            heldrun.drop(self.run_dir)
+        self.first_written = True
         log = self._file()
         if log is not None:
             for row in rows:
@@ -73,6 +78,7 @@ class RankRows:
 
     def resume(self, step: int) -> None:
         """A resumed run redoes steps ``step``.. : the rows an earlier attempt wrote for them are void."""
+        heldrun.reclaim(self.run_dir, f"{STEPS_DIR}/rank-{self.rank}.jsonl")  # a re-run's replaced rows, back
         log = self._file()
         if log is not None:
             log.write({"event": "resume", "step": step})
@@ -95,6 +101,9 @@ class RankRows:
 
 def void_gone(run_dir: Path | None, workers: int, step: int) -> None:
     """Rank 0 at a resume with ``workers``: the files of ranks ``workers``.. get a ``resume`` event too."""
+    for name in heldrun.held_rows(run_dir, STEPS_DIR):  # a re-run's replaced rows of ranks it no longer has
+        if int(_RANK_FILE.search(name).group(1)) >= workers:
+            heldrun.reclaim(run_dir, name)
     if run_dir is None or not (Path(run_dir) / STEPS_DIR).is_dir():
         return
     for path in (Path(run_dir) / STEPS_DIR).iterdir():

@@ -28,6 +28,7 @@ from typing import Callable
 
 from omnilearn.balance.efficiency import WorkerStats
 from omnilearn.config import BalanceConfig
+from omnilearn.observe import heldrun
 from omnilearn.observe.events import EventRecorder
 from omnilearn.observe.rankrows import ROW_NAMES, RankRows, Totals, void_gone
 from omnilearn.observe.suffix import SuffixStats
@@ -76,6 +77,7 @@ class Telemetry:
         self.events.speed_changes = [(int(at), tuple(v)) for at, v in state.get("speed_changes", [])]
         self.events.last_eval = dict(state.get("last_eval", {}))
         self.final_train_loss = state.get("final_train_loss")
+        heldrun.reclaim(self.run_dir, "metrics.jsonl")  # a re-run's replaced record, taken back
         void_gone(self.run_dir, self.cfg.workers if self.own_rows else 0, step)
         now = time.time()
         failed_at = os.environ.get(FAILED_AT_ENV)

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from omnilearn.observe import heldrun
+
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "model.pt")
 STEPS_DIR = "steps"  # BSP: each rank's step rows, steps/rank-<r>.jsonl (omnilearn.observe.rankrows)
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -162,23 +164,34 @@ def check_out(out: str | None, overwrite: bool) -> Path:
     return path
 
 
+def record_items(path: Path) -> list[str]:
+    """The names of the run ``path`` holds: its files, error logs and the ranks' step rows."""
+    return [*(f for f in RUN_FILES if (path / f).exists()), *(p.name for p in path.glob("error-rank*.log")),
+            *([STEPS_DIR] if (path / STEPS_DIR).is_dir() else [])]
+
+
 def clear_run(path: Path) -> None:
     """Remove the run ``path`` holds (``--overwrite``): its files, error logs and the ranks' step rows."""
-    for f in [*(f for f in RUN_FILES if (path / f).exists()), *(p.name for p in path.glob("error-rank*.log"))]:
-        (path / f).unlink()
-    if (path / STEPS_DIR).is_dir():
-        shutil.rmtree(path / STEPS_DIR)
+    for name in record_items(path):
+        if (path / name).is_dir():
+            shutil.rmtree(path / name)
+        else:
+            (path / name).unlink()
 
 
-def prepare(out: str | None, overwrite: bool, config_toml: str, keep: bool = False) -> Path:
+def prepare(out: str | None, overwrite: bool, config_toml: str, keep: bool = False, hold: bool = False) -> Path:
     """Check and create the run directory, then write ``config.toml`` into it (:class:`DiskFull` when full).
     ``keep``: the same job again (a torchrun restart of it): its record goes on in the directory, whatever
-    ``overwrite`` says (``overwrite`` replaces an earlier run, not the one restarting)."""
+    ``overwrite`` says (``overwrite`` replaces an earlier run, not the one restarting). ``hold``: a script that may
+    resume it (``omnilearn.setup``): the record ``overwrite`` replaces is held until the run resumes it or trains
+    without it (:mod:`omnilearn.observe.heldrun`)."""
     path = check_out(out, overwrite or keep)
     data = config_toml.encode("utf-8")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        if not keep:
+        if not keep and hold:
+            heldrun.hold(path, [n for n in record_items(path) if n != "config.toml"])
+        elif not keep:
             clear_run(path)
         write_atomic(path / "config.toml", lambda f: f.write(data))
     except OSError as e:
