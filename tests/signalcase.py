@@ -1,10 +1,11 @@
 """One case of the signal matrix: start an ``omnilearn`` command that starts processes, send its launcher a signal
 once it trains, and check that nothing outlives it (tests/faults/test_signal_matrix.py for PyTorch,
-tests/tf/test_tf_signal_matrix.py for TensorFlow and ``omnilearn launch``).
+tests/tf/test_tf_signal_matrix.py for TensorFlow, tests/tf/test_launch_signal_matrix.py for ``omnilearn launch``).
 
 :func:`check` starts the command with a ``TMPDIR`` of the test's own, waits until it trains (or, for ``omnilearn
 launch``, until every worker of its script started), sends the signal to the launcher, and asserts: the exit status
-(128 + the signal when it could stop its workers; killed by SIGKILL otherwise), that every process of the run's
+(128 + the signal when it could stop its workers; killed by SIGKILL otherwise), that no process of the run listened
+where the machine's network reaches it (while it trained: tests/listeners.py), that every process of the run's
 tree (read from ``/proc`` while it ran) is gone, and that the ``TMPDIR`` holds nothing (after SIGKILL, only the
 launcher's own directories, which nobody is left to remove: its rendezvous or TensorFlow directory and, for
 PyTorch, multiprocessing's ``pymp-*`` fork server directory marked as the launcher's; the next run sweeps them,
@@ -99,6 +100,9 @@ def check(tmp_path: Path, command: str, signum: int) -> None:
         assert p.poll() is None, said()
         run = listeners.tree(p.pid)
         assert len(run) >= 3, run  # the launcher and its workers
+        heard = listeners.listening(run)  # while it trains: loopback only (TensorFlow's in a namespace of lo)
+        print(f"{command}: listening on", sorted({(s["address"], tuple(s["interfaces"])) for s in heard}))
+        assert not listeners.exposed(run), heard
         p.send_signal(signum)
         code = p.wait(timeout=GUARD_S)
         for _ in range(int(GUARD_S / 0.1)):  # what dies with the launcher goes a moment after it

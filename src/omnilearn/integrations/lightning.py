@@ -32,7 +32,10 @@ Lightning's DDP strategy with an OmniLearn session inside, one per ``fit()``
   loads it into the new session, so data, controller and step count continue
   where they stopped (at another world size too: the split is re-planned);
   one saved with another seed, dataset length or steps per epoch is refused
-  in one line naming the strategy's keyword;
+  in one line naming the strategy's keyword. Rank 0 writes it as Lightning serializes it, atomically beside
+  the target (:mod:`~omnilearn.integrations.lightning_save`: the old file or the new one, never a cut one), for
+  a local path with Lightning's default checkpoint IO (a ``checkpoint_io`` plugin, or a remote URL: Lightning's
+  own write);
 - ``on_train_end``: ``Session.finish()`` (``strategy.summary`` on rank 0;
   with ``out=``, the run directory); teardown releases the wrapped model;
 - a second ``fit()`` on the same Trainer continues the run (its session
@@ -49,12 +52,12 @@ or refused): DDP comm hooks and model averaging, buffer broadcasting, the Traine
 strategy, DDP's ``mixed_precision`` and delayed all-reduce, ``16-mixed``, ``sync_batchnorm``, the
 ``limit_train_batches`` family, several optimizers, an overridden ``backward``, a changing
 ``accumulate_grad_batches``, a checkpoint without OmniLearn's state, Lightning versions outside the tested range.
-Lightning handles SIGTERM (``handle_signals=False`` unless given; its handler cannot raise a lost peer's error). Custom loops: Lightning Fabric's
-:class:`~omnilearn.integrations.lightning_fabric.OmniLearnFabricStrategy`; the guide is docs/lightning.md.
+Lightning handles SIGTERM (``handle_signals=False`` unless given; its handler cannot raise a lost peer's error).
+Custom loops: Lightning Fabric's :class:`~omnilearn.integrations.lightning_fabric.OmniLearnFabricStrategy`; the guide is docs/lightning.md.
 
 Run: ``python -m pytest -q tests/dist/test_lightning_strategy.py tests/dist/test_lightning_exact.py
 tests/dist/test_lightning_trust.py tests/dist/test_lightning_resume.py tests/unit/test_lightning_private_names.py
-tests/examples/test_lightning_example.py tests/faults/test_rescue_lightning.py``
+tests/examples/test_lightning_example.py tests/faults/test_rescue_lightning.py tests/dist/test_lightning_atomic.py``
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from omnilearn.bsp.wrap import release
 from omnilearn.config import ConfigError
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
 from omnilearn.integrations import lightning_rescue
+from omnilearn.integrations.lightning_save import local_target, write_local
 from omnilearn.integrations.lightning_options import refuse_sharded, refuse_trainer_flags, split_options
 from omnilearn.integrations.lightning_session import continued_run, join_round_group, load_resumed, with_loader_batch
 from omnilearn.versions import require_tested
@@ -273,8 +277,10 @@ class OmniLearnStrategy(lightning_rescue.SurvivorSave, DDPStrategy):
 
     # --- checkpoints: the session's state rides in Lightning's ---------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Every rank calls it (``Trainer.save_checkpoint``): the session's state, every rank's part, on rank 0.
-        After a lost peer, nothing (the survivors saved already; this save's collectives would fail)."""
+        """Every rank calls it (``Trainer.save_checkpoint``): the session's state, every rank's part, on rank 0,
+        which writes the file (:func:`~omnilearn.integrations.lightning_save.write_local`, else Lightning's
+        checkpoint IO). After a lost peer, nothing (the survivors saved already; this save's collectives would
+        fail)."""
         if self._peer_lost():
             return
         if self.session is not None and self.session.loader is not None:
@@ -282,7 +288,11 @@ class OmniLearnStrategy(lightning_rescue.SurvivorSave, DDPStrategy):
                 self.session.sync_buffers()
                 checkpoint["state_dict"] = self.lightning_module_state_dict()
             checkpoint[STATE_KEY] = gathered_state(self.session)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        target = local_target(self.checkpoint_io, filepath, storage_options) if self.is_global_zero else None
+        if target is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        else:
+            write_local(target, checkpoint)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)

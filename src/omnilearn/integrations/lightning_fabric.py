@@ -35,7 +35,8 @@ Fabric's DDP strategy with an OmniLearn session inside (one per strategy):
   where they disagree (``model.no_sync()`` itself is refused);
 - ``optimizer.step()`` then ``Session.step()``: the controller may move batches;
 - ``fabric.save`` adds the session's state (every rank's part, gathered on
-  rank 0) under ``"omnilearn"``; ``fabric.load(path, state)`` restores it, so
+  rank 0) under ``"omnilearn"``, written atomically to a local path with Fabric's default checkpoint IO
+  (:func:`~omnilearn.integrations.lightning_save.write_local`); ``fabric.load(path, state)`` restores it, so
   the training loader continues where it stopped (at another world size too);
   one saved with another seed, dataset length or steps per epoch is refused
   in one line naming the strategy's keyword;
@@ -51,7 +52,8 @@ is the :class:`~omnilearn.bsp.session.Session` (``finish()`` for the summary,
 ``mixed_precision`` and delayed all-reduce, extra
 ``backward`` arguments, a second model.
 
-Run: ``python -m pytest -q tests/dist/test_lightning_fabric.py tests/dist/test_lightning_resume.py``
+Run: ``python -m pytest -q tests/dist/test_lightning_fabric.py tests/dist/test_lightning_resume.py
+tests/dist/test_lightning_atomic.py``
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ import omnilearn
 from omnilearn.config import ConfigError
 from omnilearn.bsp.checkpointing import gathered_state, session_state
 from omnilearn.integrations.lightning import STATE_KEY
+from omnilearn.integrations.lightning_save import local_target, write_local
 from omnilearn.integrations.lightning_data import evaluation_loader, training_loader
 from omnilearn.integrations.lightning_rescue import write_newest
 from omnilearn.integrations.lightning_options import FABRIC_ARGS, FABRIC_TAKES, refuse_sharded, split_options
@@ -158,7 +161,8 @@ class OmniLearnFabricStrategy(DDPStrategy):
 
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
-        """Every rank calls it (``fabric.save``): the session's state, every rank's part, on rank 0."""
+        """Every rank calls it (``fabric.save``): the session's state, every rank's part, on rank 0, which writes the
+        file (:func:`~omnilearn.integrations.lightning_save.write_local`, else Fabric's checkpoint IO)."""
         self._rescue_to = (path, state, filter)
         if self.session is not None and self.session.rescued is not None:
             return  # a peer is gone: this rank saved already, and this save's collectives would fail
@@ -166,7 +170,11 @@ class OmniLearnFabricStrategy(DDPStrategy):
             if not self.session.interval_ended:
                 self.session.sync_buffers()
             state = {**state, STATE_KEY: gathered_state(self.session)}
-        super().save_checkpoint(path, state, storage_options, filter)
+        target = local_target(self.checkpoint_io, path, storage_options) if self.is_global_zero else None
+        if target is None:
+            super().save_checkpoint(path, state, storage_options, filter)
+        else:  # as Fabric's Strategy.save_checkpoint, written atomically
+            write_local(target, self._convert_stateful_objects_in_state(state, filter=filter or {}))
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict:
         if state:
