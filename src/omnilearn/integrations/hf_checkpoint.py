@@ -11,12 +11,24 @@ folder just completed). A folder without the file was cut short
 complete folder instead (:func:`latest_complete`, with a warning naming
 the cut ones), or refuses in one line when there is none.
 
+The same step saved again (``save_strategy="epoch"`` and a stop signal
+mid-epoch: the stop's save, then the epoch's; a run started afresh, or
+resumed from an older checkpoint, in an ``output_dir`` holding newer ones):
+Trainer writes into an existing folder in place, so the complete folder
+is first moved aside (``.checkpoint-<step>.old-<pid>``, the name
+:mod:`omnilearn.commit` gives an aside) by the writer, before any rank
+writes (:func:`set_aside`); Trainer writes the folder afresh, the mark
+commits it, the aside goes, then the rotation. Until the mark, the aside is
+that step's checkpoint (:func:`latest_complete` resumes it); the next save
+puts it back where its folder is not complete, else removes it
+(:func:`omnilearn.commit.recover_directories`).
+
 Who writes the session file is who Trainer lets write (``args.should_save``):
 global rank 0, or with ``save_on_each_node=True`` each node's local rank 0;
 rank 0 gathers the state and sends it to the other writers. A failed write
 on any writer is raised on every rank, naming the rank (:func:`save`).
 
-Run: ``python -m pytest -q tests/dist/test_hf_trust.py``
+Run: ``python -m pytest -q tests/dist/test_hf_atomic.py tests/dist/test_hf_trust.py``
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import os
 import re
 import shutil
 import warnings
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +50,8 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from omnilearn.bsp.rescue import RestartStoreWarning, arm  # noqa: F401  (re-exported)
 from omnilearn.bsp.checkpointing import from_bytes, gathered_state, session_state, to_bytes
-from omnilearn.commit import claimed, commit, start_time, sweep_claims, sync_tree
+from omnilearn.commit import (claimed, commit, committed_directories, held, recover_directories, start_time,
+                              sweep_claims, sync_tree)
 from omnilearn.observe.rundir import sync
 from omnilearn.config import ConfigError
 from omnilearn.distributed.collect import broadcast_bytes, gather_bytes
@@ -58,28 +72,79 @@ def complete(folder: str | Path) -> bool:
 def save(session: Any, folder: str | Path, write_folder: Callable[[], object], *, writer: bool, each_node: bool,
          prune: Callable[[], object]) -> None:
     """Every rank: :func:`omnilearn.commit.commit` with Trainer's folder as the parts (``write_folder``, on every
-    rank: Trainer's own save), the session file as the mark and Trainer's rotation as the prune, where Trainer
-    saves (``writer``); the others write Trainer's part only. The session state is gathered first (a collective);
-    ``each_node``: ranks other than 0 write too, so rank 0 sends them the state. A failure on any rank is raised on
-    every rank, naming it; the previous complete checkpoint is kept."""
-    state = gathered_state(session)
-    if each_node and session.world_size > 1:
-        state = from_bytes(broadcast_bytes(session.ctx, to_bytes(state) if session.is_main else None))
+    rank: Trainer's own save; rank r writes ``rng_state_<r>.pth``), the session file as the mark and Trainer's
+    rotation as the prune, where Trainer saves (``writer``). In turn, each agreed by every rank (a failure on any
+    rank raised on every rank, naming it, before anyone goes on: :func:`_on_every_rank`):
+
+    1. the writer sets a complete folder of this step aside (:func:`set_aside`): no rank writes into it before;
+    2. the session state is gathered (``each_node``: ranks other than 0 write too, so rank 0 sends them it), and
+       every rank writes Trainer's files: the mark waits for every rank's files;
+    3. the writer fsyncs them, writes the mark, removes the aside, then rotates.
+
+    The writer holds the step's claim throughout (:func:`omnilearn.commit.held`, the one a survivor's
+    :func:`rescue` of the same step takes): the two saves never interleave. A failure keeps the previous complete
+    checkpoint (an aside put back)."""
+    folder, aside = Path(folder), []
+    with ExitStack() as claim:
+        def first() -> None:
+            if writer:
+                claim.enter_context(held(folder.with_name(f".{folder.name}.claim")))
+                aside.append(set_aside(folder))
+
+        _on_every_rank(session, folder, writer, first)
+        state = gathered_state(session)
+        if each_node and session.world_size > 1:
+            state = from_bytes(broadcast_bytes(session.ctx, to_bytes(state) if session.is_main else None))
+        _on_every_rank(session, folder, writer, write_folder)
+
+        def finish() -> None:
+            if writer:
+                commit(folder / SESSION_FILE, lambda: sync_tree(folder), lambda: to_bytes(state),
+                       lambda: (drop(aside[0]), prune()))
+                sweep_survivors_leftovers(folder.parent)
+
+        _on_every_rank(session, folder, writer, finish)
+
+
+def _on_every_rank(session: Any, folder: Path, writer: bool, work: Callable[[], object]) -> None:
+    """``work()`` here, then agreed: a failure on any rank raises on every rank, naming it, once every rank's work
+    ended (the writer first puts an aside back where the new folder was not completed)."""
     error = ""
     try:
-        if writer:
-            commit(Path(folder) / SESSION_FILE, write_folder, lambda: to_bytes(state), prune)
-            sweep_survivors_leftovers(Path(folder).parent)
-        else:
-            write_folder()
+        work()
     except Exception as e:  # every rank raises it, below
         error = f"rank {session.rank}: {type(e).__name__}: {e}"
     errors = gather_bytes(session.ctx, error.encode())
     joined = "; ".join(e.decode() for e in errors or [] if e) if session.is_main else None
     joined = broadcast_bytes(session.ctx, joined.encode() if joined is not None else None).decode()
     if joined:
+        if writer:
+            recover_directories(folder.parent, SESSION_FILE)
         raise RuntimeError(f"OmniLearnTrainer: the checkpoint {folder} was not completed ({joined}); the previous "
                            "complete checkpoint is kept")
+
+
+def set_aside(folder: Path) -> Path | None:
+    """Before Trainer writes ``folder`` (which it does in place): what an earlier crash left is mended
+    (:func:`omnilearn.commit.recover_directories`: an aside put back where its folder is not complete, else
+    removed); then a complete ``folder`` (the same step saved again) is moved aside to
+    ``.checkpoint-<step>.old-<pid>``, where it stays the step's checkpoint until the new one is marked, and a cut
+    one is removed (Trainer writes afresh: no file of another save stays in). Returns the aside, or None."""
+    recover_directories(folder.parent, SESSION_FILE)
+    if complete(folder):
+        aside = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+        os.replace(folder, aside)
+        sync(folder.parent)
+        return aside
+    if folder.exists():
+        shutil.rmtree(folder)
+    return None
+
+
+def drop(aside: Path | None) -> None:
+    """The aside of a folder saved again, once the new one is marked (a kill before: the next save removes it)."""
+    if aside is not None:
+        shutil.rmtree(aside)
 
 
 def arm_rescue(session: Any, saver: Callable[[int], str]) -> None:
@@ -170,18 +235,21 @@ def _step(name: str) -> int:
 
 def latest_complete(output_dir: str | Path) -> str:
     """The newest complete checkpoint folder in ``output_dir`` (``resume_from_checkpoint=True``), warning about
-    newer cut ones; one line when there is none."""
-    names = sorted((n for n in os.listdir(output_dir) if _FOLDER.match(n) and (Path(output_dir) / n).is_dir()),
-                   key=_step, reverse=True) if os.path.isdir(output_dir) else []
-    cut = [n for n in names if not complete(Path(output_dir) / n)]
-    whole = [n for n in names if complete(Path(output_dir) / n)]
+    newer cut ones; one line when there is none. A step saved again and cut before its mark counts by its aside
+    (``.checkpoint-<step>.old-<pid>``: the previous save of that step, whole). Reads only (every rank calls it)."""
+    found = {n: p for n, p in committed_directories(Path(output_dir), SESSION_FILE).items() if _FOLDER.match(n)}
+    names = [n for n in os.listdir(output_dir) if _FOLDER.match(n) and (Path(output_dir) / n).is_dir()] \
+        if os.path.isdir(output_dir) else []
+    cut = sorted((n for n in names if n not in found), key=_step, reverse=True)
+    whole = sorted(found, key=_step, reverse=True)
     if not whole:
-        found = f"only cut-short folders without {SESSION_FILE} ({', '.join(cut)})" if cut else "no checkpoint folder"
-        raise ConfigError(f"resume_from_checkpoint=True: {output_dir} holds {found}; give "
+        found_text = f"only cut-short folders without {SESSION_FILE} ({', '.join(cut)})" if cut else \
+            "no checkpoint folder"
+        raise ConfigError(f"resume_from_checkpoint=True: {output_dir} holds {found_text}; give "
                           "resume_from_checkpoint=None to start afresh, or the path of a checkpoint OmniLearnTrainer "
                           "completed")
     newer = [n for n in cut if _step(n) > _step(whole[0])]
     if newer:
         warnings.warn(f"{', '.join(newer)} in {output_dir} lack {SESSION_FILE} (cut short mid-save): resuming "
                       f"{whole[0]}, the newest complete checkpoint", CutCheckpointWarning, stacklevel=3)
-    return str(Path(output_dir) / whole[0])
+    return str(found[whole[0]])
