@@ -143,23 +143,28 @@ def test_the_csv_log_and_checkpoint_are_worker_0s_and_match_one_worker(runs):
 RESUME_SCRIPT = Path(__file__).with_name("fit_resume_script.py")
 
 
-def test_a_fit_stopped_at_every_interval_end_and_resumed_ends_on_the_uninterrupted_weights(runs):
+@pytest.mark.parametrize("interval", [3, 1], ids=["every-interval-end", "every-step"])
+def test_a_fit_stopped_at_every_interval_end_and_resumed_ends_on_the_uninterrupted_weights(runs, interval):
     """``fit`` with ``BackupAndRestore`` and a rate scheduler (tests/tf/fit_resume_script.py), one worker: run after
-    run, each stopped one interval after it resumed (at steps 3, 6, 9: inside every epoch, the last one
-    included), until one completes: the same weights as the run never stopped (float64; 1.7e-1 off when the
-    resumed epoch's scheduler scaled the rate a second time: issue 50). Every worker count resumes through
-    the same code (tests/tf/test_tf_launch.py resumes 2 launched workers inside an epoch)."""
+    run, each stopped one interval after it resumed (interval 3: at steps 3, 6, 9, inside every epoch, the last one
+    included; interval 1 with the static controller: at every step 1 to 11, the epoch boundaries 4 and 8 and the
+    steps either side included), until one completes: the same weights as the run never stopped (float64; 1.7e-1
+    off when the resumed epoch's scheduler scaled the rate a second time: issue 50). Every worker count resumes
+    through the same code (tests/tf/test_tf_launch.py resumes 2 launched workers inside an epoch)."""
     home = {"KERAS_HOME": str(runs["base"] / "keras-float64")}
     env = {**os.environ, **home, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": ""}
-    whole, stopped = runs["base"] / "resume-whole", runs["base"] / "resume-stopped"
-    for out, stop in ((whole, "0"), *((stopped, "1"),) * 6):
+    whole, stopped = runs["base"] / f"resume-whole-{interval}", runs["base"] / f"resume-stopped-{interval}"
+    for out, stop in ((whole, "0"), *((stopped, "1"),) * (12 // interval + 1)):
         if stop == "1" and (stopped / "weights.npz").exists():
             break
         out.mkdir(exist_ok=True)
-        [done] = tfpool.run_scripts([[str(RESUME_SCRIPT), str(out), stop]], [env], out / "logs", timeout=240)
+        [done] = tfpool.run_scripts([[str(RESUME_SCRIPT), str(out), stop, str(interval)]], [env], out / "logs",
+                                    timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
     chain = [json.loads(line) for line in (stopped / "runs.jsonl").read_text().splitlines()]
-    assert [(r["start"], r["end"]) for r in chain if not r["done"]][:3] == [(0, 3), (3, 6), (6, 9)], chain
+    stops = list(range(interval, 12, interval))
+    assert [(r["start"], r["end"]) for r in chain if not r["done"]][:len(stops)] == \
+        [(s - interval, s) for s in stops], chain
     assert chain[-1]["done"] and chain[-1]["end"] == 12, chain
     with np.load(whole / "weights.npz") as a, np.load(stopped / "weights.npz") as b:
         for name in a.files:
