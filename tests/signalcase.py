@@ -4,7 +4,8 @@ tests/tf/test_tf_signal_matrix.py for TensorFlow, tests/tf/test_launch_signal_ma
 
 :func:`check` starts the command with a ``TMPDIR`` of the test's own, waits until it trains (or, for ``omnilearn
 launch``, until every worker of its script started), sends the signal to the launcher, and asserts: the exit status
-(128 + the signal when it could stop its workers; killed by SIGKILL otherwise), that no process of the run listened
+(128 + the signal, every worker stopped when asked, none SIGKILLed after the stop grace; killed by SIGKILL
+itself otherwise), that no process of the run listened
 where the machine's network reaches it (while it trained: tests/listeners.py), that every process of the run's
 tree (read from ``/proc`` while it ran) is gone, and that the ``TMPDIR`` holds nothing (after SIGKILL, only the
 launcher's own directories, which nobody is left to remove: its rendezvous or TensorFlow directory and, for
@@ -121,6 +122,7 @@ def check(tmp_path: Path, command: str, signum: int) -> None:
             assert code == 128 + signum, (code, said())
             assert left == [], left
             assert "Traceback" not in said(), said()
+            assert "SIGKILLed after the stop grace" not in said(), said()  # every worker stopped when asked
     finally:
         for pid in [pid for pid in run or [p.pid] if listeners.alive(pid)]:  # whatever a failed case left
             try:

@@ -60,18 +60,21 @@ def whole(tmp_path_factory) -> Path:
     return out
 
 
-def test_a_killed_worker_costs_the_step_in_flight(whole, tmp_path, monkeypatch, capfd):
-    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", "1:17")
+@pytest.mark.parametrize("at", [17, 15], ids=["mid-interval", "at-the-interval-end"])
+def test_a_killed_worker_costs_the_step_in_flight(whole, tmp_path, monkeypatch, capfd, at):
+    """Mid-interval (after step 16) rank 0 next waits in step 17's gradient all-reduce; at the interval's end
+    (after step 14, the 3rd interval of 5) the interval's meeting is in flight too (rank 0 reads it in step 15)."""
+    monkeypatch.setenv("OMNILEARN_FAULT_KILL_AT", f"1:{at}")
     run = tmp_path / "run"
     assert train(run, "--checkpoint-every", "1000", "--max-restarts", "1") == 0
     err = capfd.readouterr().err
-    assert "omnilearn: rank 0 lost a peer at step 17 (" in err
-    assert "saved the checkpoint of step 17" in err
-    assert "restart 1 of 1 from the checkpoint of step 17" in err
+    assert f"omnilearn: rank 0 lost a peer at step {at} (" in err
+    assert f"saved the checkpoint of step {at}" in err
+    assert f"restart 1 of 1 from the checkpoint of step {at}" in err
     store = CheckpointStore(run / "checkpoints")
-    assert 17 in store.steps()
-    assert store.manifest(17)["meta"]["rescue"]["rank"] == 0
-    assert [e["step"] for e in raw_events(run, "resume")] == [17]
+    assert at in store.steps()
+    assert store.manifest(at)["meta"]["rescue"]["rank"] == 0
+    assert [e["step"] for e in raw_events(run, "resume")] == [at]
     assert same_weights(whole, run)
     # the record counts every step trained, the rescued open window's too (its rows are not kept)
     assert json.loads((run / "summary.json").read_text())["steps"] == 30

@@ -138,6 +138,8 @@ def _run_rank(join: Callable[[], group.DistContext], rank: int, jobs: Sequence[J
         watchdog = watchdog or start_watchdog(ctx, jobs[0].cfg.heartbeat_s, log_dir, mode=mode_of(jobs[0]))
         for k, job in enumerate(jobs):
             _run_job(job, ctx)
+            if stopping.stop_requested():  # a stop ends the launch, not only this job (a bench's next arm)
+                raise stopping.Stopped(stopping.reason() or "a stop signal")
             if mode_of(job) == "bsp":
                 group.barrier()  # move on together: rank 0 may still be writing the run directory
             elif k + 1 < len(jobs):

@@ -189,10 +189,12 @@ def start_method() -> str:
 
 def start_context():
     """The fork server, preloaded with :data:`PRELOAD` (Linux), or ``spawn`` (elsewhere, or asked for)."""
-    if start_method() == "spawn" or not _fork_server_address_fits():
+    if start_method() == "spawn":
         return mp.get_context("spawn")
     mptemp.sweep()  # the fork server directories of launchers SIGKILLed before
-    mptemp.mark()  # this one's, swept the same way if this launcher is
+    mptemp.mark()  # this one's (made now: the address check below makes it anyway), swept the same way
+    if not _fork_server_address_fits():
+        return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     return context
