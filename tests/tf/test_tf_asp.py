@@ -133,8 +133,10 @@ def test_the_controller_moves_samples_to_the_worker_that_pushes_faster(forks, tm
 
 
 def test_a_killed_worker_loses_no_sample_and_no_push_is_applied_twice(forks, tmp_path):
-    summary, _ = chief(forks, tmp_path / "run", "2", "64", "1,3", "static", "2", "none", "1", "5")
-    every_sample_once(summary)
+    # 4 epochs: samples are left to deal to worker 1 after its kill at 5 pushes, so its death is always seen (with
+    # 2, a loaded machine could deal the last ones to worker 0 first: the run ended with nobody dropped)
+    summary, _ = chief(forks, tmp_path / "run", "2", "64", "1,3", "static", "4", "none", "1", "5")
+    every_sample_once(summary, epochs=4)
     assert list(summary["dropped"]) == ["1"] and "Error" in summary["dropped"]["1"]
     assert summary["pushes"][1] <= 5  # killed once 5 pushes were applied; worker 0 ended the run
     assert summary["batches"] == [64, 0]  # its share went to worker 0
