@@ -111,6 +111,27 @@ def test_fabric_resume_with_another_seed_is_refused_naming_the_strategys_keyword
     assert "seed=0 (an OmniLearnFabricStrategy keyword)" in message, message
 
 
+def test_a_one_process_fit_or_fabric_loop_opens_no_socket_the_network_reaches_and_leaks_none():
+    """``devices=1``, no launcher: the group of one is made on an in-memory store (lightning_session); the
+    framework's own would be torch's TCPStore, listening on every interface and left open after each fit. The
+    group's own gloo socket stays (the next fit in the process uses the same group): no more with more fits."""
+    import os
+
+    import listeners
+
+    def ports(found) -> set[int]:
+        return {s["port"] for s in found}
+
+    before = ports(listeners.exposed([os.getpid()]))
+    fit(OmniLearnStrategy(global_batch=60, seed=0))
+    fabric_loop(OmniLearnFabricStrategy(global_batch=64, seed=0))
+    first = ports(listeners.listening([os.getpid()]))
+    fit(OmniLearnStrategy(global_batch=60, seed=0))
+    fabric_loop(OmniLearnFabricStrategy(global_batch=64, seed=0))
+    assert ports(listeners.listening([os.getpid()])) == first
+    assert ports(listeners.exposed([os.getpid()])) - before == set()
+
+
 def test_no_batch_setting_takes_the_dataloaders_batch_size_times_accumulation():
     trainer = fit(OmniLearnStrategy(), batch_size=8, accumulate_grad_batches=2)
     assert trainer.strategy.session.global_batch == 16  # DataLoader(batch_size=8) x accumulate_grad_batches=2 x 1

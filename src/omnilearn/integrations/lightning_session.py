@@ -71,10 +71,17 @@ def join_round_group(strategy: Any) -> None:
     """Both Lightning doors, before their framework makes the process group: under torchrun, make it in a key space
     of this round's own (:func:`omnilearn.distributed.group.join_torchrun`) with the backend and timeout the
     framework would use, so a restart after a lost peer re-forms it whatever torchrun's store sharing (the
-    framework's own hung or read the dead attempt's addresses); the framework then finds it made."""
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ and not torch.distributed.is_initialized():
+    framework's own hung or read the dead attempt's addresses); the framework then finds it made. One process
+    alone (``devices=1``, one node, no launcher): a group of one on an in-memory store, no socket (the framework's
+    would be torch's TCPStore, listening on every interface, and left open after the fit: one per fit)."""
+    if torch.distributed.is_initialized():
+        return
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         cuda = strategy.root_device if strategy.root_device.type == "cuda" else None
         join_torchrun(strategy._get_process_group_backend(), strategy._timeout, device_id=cuda)
+    elif strategy.num_nodes * strategy.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        torch.distributed.init_process_group(strategy._get_process_group_backend(), store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1, timeout=strategy._timeout)
 
 
 def door_wording(message: str, who: str) -> str:
