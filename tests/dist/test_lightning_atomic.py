@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from crashes import Crash, Ops, other_filesystem
@@ -122,23 +121,11 @@ def test_a_crash_anywhere_in_a_trainer_save_leaves_the_old_or_the_new_checkpoint
 
 
 def test_a_crash_anywhere_in_a_fabric_save_leaves_the_old_or_the_new_checkpoint(tmp_path, temp_elsewhere):
-    from lightning.fabric import Fabric
     from omnilearn.integrations.lightning_fabric import OmniLearnFabricStrategy
-    from test_lightning_exact import data, mlp
+    from test_lightning_resume import fabric_loop
 
     strategy = OmniLearnFabricStrategy(global_batch=60, seed=0, total_steps=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1, precision="64-true")
-        fabric.launch()
-        model = mlp()
-        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        for x, y in fabric.setup_dataloaders(DataLoader(data(360), batch_size=16, shuffle=True)):
-            fabric.backward(F.cross_entropy(model(x).double(), y))
-            opt.step()
-            opt.zero_grad()
-            if strategy.session.steps_done == 2:
-                break
+    fabric, model, opt = fabric_loop(strategy, samples=360, finish=False)
 
     def save(path: Path, value: str) -> None:
         fabric.save(path, {"model": model, "optimizer": opt, "tag": value})

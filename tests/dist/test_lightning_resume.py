@@ -80,14 +80,17 @@ def test_lightning_resume_with_another_dataset_length_is_refused(saved):
 
 
 def fabric_loop(strategy: OmniLearnFabricStrategy, save: str | None = None, load: str | None = None,
-                batch_size: int = 16) -> None:
+                batch_size: int = 16, samples: int | None = None, finish: bool = True) -> tuple:
+    """Two steps of a Fabric loop (after ``load``, before ``save``; ``finish``: the session's end after):
+    ``(fabric, model, optimizer)``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1, precision="64-true")
         fabric.launch()
         model = mlp()
         model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        train = fabric.setup_dataloaders(DataLoader(data(), batch_size=batch_size, shuffle=True))
+        loader = DataLoader(data() if samples is None else data(samples), batch_size=batch_size, shuffle=True)
+        train = fabric.setup_dataloaders(loader)
         if load is not None:
             fabric.load(load, {"model": model, "optimizer": opt})
         for x, y in train:
@@ -98,7 +101,9 @@ def fabric_loop(strategy: OmniLearnFabricStrategy, save: str | None = None, load
                 break
         if save is not None:
             fabric.save(save, {"model": model, "optimizer": opt})
-        strategy.session.finish()
+        if finish:
+            strategy.session.finish()
+    return fabric, model, opt
 
 
 def test_fabric_resume_with_another_seed_is_refused_naming_the_strategys_keyword(tmp_path):
