@@ -3,7 +3,7 @@
 One test per name, in one process (a one-rank gloo group where DDP or FSDP2 needs one): each fails loudly, naming
 the name and the OmniLearn module that relies on it, when a torch release removes it or changes its signature or
 behaviour. Keep the list in step with ``grep -rnE "\\._[a-z]|\\"_[a-z]" src/omnilearn`` (torch objects only); the
-torch versions these tests ran on are the ones ``omnilearn.setup`` accepts (``require_tested("torch", ...)``,
+torch versions these tests ran on are the ones ``omnilearn.setup`` accepts (``torchnames.require_torch``,
 :mod:`omnilearn.versions`).
 
 ========================================================  ==========================================
@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
+
+from omnilearn import torchnames
 
 
 @pytest.fixture
@@ -216,16 +218,39 @@ def test_the_preloaded_private_module_imports():
     assert importlib.import_module("torch._dynamo") is not None
 
 
-def test_setup_checks_the_torch_version(monkeypatch):
-    """``omnilearn.setup`` refuses a torch outside the tested range (once the lead fills TESTED["torch"])."""
+def test_setup_refuses_an_older_torch_by_its_number(monkeypatch):
+    """``omnilearn.setup`` refuses a torch older than the tested range (versions.require_torch)."""
+    import omnilearn
+    from omnilearn import versions
+    from omnilearn.config import ConfigError
+
+    monkeypatch.setitem(versions.TESTED, "torch", ("9.0", "9.1"))
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    with pytest.raises(ConfigError, match=r"omnilearn.setup: torch .* is outside the versions OmniLearn was tested"):
+        omnilearn.setup(global_batch=4, device="cpu")
+
+
+@pytest.mark.parametrize("name, used_by, check", torchnames.CHECKS, ids=[c[0] for c in torchnames.CHECKS])
+def test_every_runtime_check_holds_on_the_installed_torch(name, used_by, check):
+    """The checks ``omnilearn.setup`` runs on a torch newer than the tested range (omnilearn/torchnames.py) hold
+    here, where the behavioural tests above pass: a check that fails here would refuse a release that works."""
+    assert torchnames.holds(check), f"{name} (used by {used_by}) no longer holds on torch {torch.__version__}"
+
+
+def test_setup_on_a_newer_torch_names_the_private_name_that_changed(monkeypatch):
+    """A newer torch that dropped a name we use is refused at setup in one line naming it (not by its number)."""
     import omnilearn
     from omnilearn import versions
     from omnilearn.config import ConfigError
 
     monkeypatch.setitem(versions.TESTED, "torch", ("0.1", "0.2"))
+    monkeypatch.setattr(torchnames, "_CHANGED", [])
     monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
-    with pytest.raises(ConfigError, match=r"omnilearn.setup: torch .* is outside the versions OmniLearn was tested"):
+    monkeypatch.delattr(torch._C._distributed_c10d.Reducer, "_reset_state")
+    with pytest.raises(ConfigError) as e:
         omnilearn.setup(global_batch=4, device="cpu")
+    assert "\n" not in str(e.value) and "is newer than the releases" in str(e.value)
+    assert "changed Reducer._reset_state(), which OmniLearn relies on (bsp/memory.py)" in str(e.value)
 
 
 def test_foreach_norm_in_float64_per_tensor():

@@ -26,7 +26,7 @@ from omnilearn.config import BalanceConfig, ConfigError, api_wording, dump_toml
 from omnilearn.distributed import group
 from omnilearn.keywords import KEYWORDS, check_keywords, for_world
 from omnilearn.observe.rundir import prepare
-from omnilearn.versions import require_tested
+from omnilearn.torchnames import require_torch
 
 
 def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None, local_batch: int | None = None,
@@ -55,7 +55,7 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
 
 def _setup(config: BalanceConfig | None, total_steps: int | None, local_batch: int | None, handle_signals: bool,
            settings: dict[str, Any]) -> Session:
-    require_tested("torch", door="omnilearn.setup")  # the private names of torch we rely on (docs/versions.md)
+    require_torch(door="omnilearn.setup")  # the private names of torch we rely on (docs/versions.md)
     check_keywords("omnilearn.setup()", settings, local_batch, handle_signals)
     first = dataclasses.replace(config, **settings) if config is not None else BalanceConfig(**settings)
     ctx = group.join(first.device, first.timeout_s)

@@ -73,7 +73,23 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
             preflight(cfg.emulator, local_workers)
         except ThrottleError as e:
             raise ConfigError(str(e)) from None
+    if cfg.framework == "pytorch":
+        check_torch(f"omnilearn {getattr(args, 'command', None) or 'train'}")
     return cfg
+
+
+def check_torch(door: str) -> None:
+    """The torch check of every PyTorch door (:func:`omnilearn.torchnames.require_torch`), its warning one
+    ``omnilearn: warning: ...`` line; a refusal is a ConfigError (one ``omnilearn: error:`` line, exit 2)."""
+    import warnings
+
+    from omnilearn.torchnames import require_torch
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        require_torch(door=door)
+    for warning in said:
+        print(f"omnilearn: warning: {warning.message}", file=sys.stderr, flush=True)
 
 
 def torchrun_workers(values: dict, file_values: dict) -> int:
