@@ -13,11 +13,12 @@ checkpoint within the run), real agents, real SIGKILLs.
   (``RESCUE_EVERY=5``) and ends on the uninterrupted weights (relative 1e-12).
 - Two agents with a c10d rendezvous (``--nnodes 1:2``), "node" A with 2 workers (it hosts the rendezvous)
   and "node" B with 1. Where the test can make network namespaces (root), each agent runs in its own,
-  joined by a veth pair, so the nodes have their own addresses; else both use the loopback (said in the
-  test's output). Node B's agent and worker SIGKILLed after step 6: A's survivors save step 7, A's agent
-  re-forms the job alone and it resumes at step 7 on 2 workers, ending with the 3-worker run's weights
-  (float64, relative 1e-12). Node B's worker alone killed: B's agent restarts it, both agents re-form the
-  job and it resumes at step 7 on 3 workers.
+  joined through a bridge, so the nodes have their own addresses; else both use the loopback (said in
+  the test's output; tests/netnodes.py). Node B's agent and worker SIGKILLed after step 6: A's survivors
+  save step 7, A's agent re-forms the job alone and it resumes at step 7 on 2 workers, ending with the
+  3-worker run's weights (float64, relative 1e-12). Node B's worker alone killed: B's agent restarts it,
+  both agents re-form the job and it resumes at step 7 on 3 workers. (A node that joins instead:
+  tests/faults/test_grow_torchrun.py.)
 
 Run: ``python -m pytest -q tests/faults/test_rescue_torchrun.py``
 """
@@ -26,17 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
-import shutil
-import signal
-import subprocess
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import agents
-import listeners
+import netnodes
 import pytest
 from ranks import free_port
 import torch
@@ -46,16 +41,10 @@ from omnilearn.data.schedule import GlobalPlan
 
 SCRIPT = Path(__file__).with_name("rescue_script.py")
 TIMEOUT_S = 240
-# the default last call (30 s) would wait that long per round; a dead node's keep-alive is missed after 3 s, not 15
-RDZV_CONF = "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 def env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
 def attempts(out: Path) -> list[dict]:
@@ -128,81 +117,17 @@ def test_a_loss_seen_between_the_update_and_ol_step_saves_nothing_and_the_restar
     assert rel_diff(whole, tmp_path) < 1e-12
 
 
-class Nodes:
-    """Two "nodes" for two agents: network namespaces with their own addresses where possible, else loopback."""
-
-    def __init__(self) -> None:
-        tag = f"{os.getpid() % 10000}{random.randrange(100)}"
-        self.names = (f"olA{tag}", f"olB{tag}")
-        self.links = (f"vA{tag}", f"vB{tag}")
-        subnet = random.randrange(1, 250)
-        self.addrs = (f"10.231.{subnet}.1", f"10.231.{subnet}.2")
-        self.isolated = False
-
-    def make(self) -> None:
-        if os.geteuid() != 0 or shutil.which("ip") is None:
-            return
-        a, b = self.names
-        steps = [["netns", "add", a], ["netns", "add", b],
-                 ["link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]],
-                 ["link", "set", self.links[0], "netns", a], ["link", "set", self.links[1], "netns", b],
-                 ["-n", a, "addr", "add", f"{self.addrs[0]}/24", "dev", self.links[0]],
-                 ["-n", b, "addr", "add", f"{self.addrs[1]}/24", "dev", self.links[1]],
-                 ["-n", a, "link", "set", self.links[0], "up"], ["-n", b, "link", "set", self.links[1], "up"],
-                 ["-n", a, "link", "set", "lo", "up"], ["-n", b, "link", "set", "lo", "up"]]
-        for step in steps:
-            if subprocess.run(["ip", *step], capture_output=True).returncode != 0:
-                self.remove()
-                return
-        self.isolated = True
-
-    def remove(self) -> None:
-        for name in self.names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-    def agent(self, node: int, port: int, nproc: int, out: Path, *script_args: str) -> subprocess.Popen:
-        """Start node ``node``'s agent (0 hosts the rendezvous) in a session of its own."""
-        host = self.addrs[0] if self.isolated else "127.0.0.1"
-        args = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id",
-                f"rescue{port}", "--max-restarts", "2", "--nproc-per-node", str(nproc),
-                "--rdzv-conf", f"{RDZV_CONF},is_host={int(node == 0)}"]
-        cmd, extra = torchrun(*args), {}
-        if self.isolated:  # each node's own address: advertised to the peers, and gloo's interface
-            cmd = ["ip", "netns", "exec", self.names[node], *torchrun(*args, "--local-addr", self.addrs[node])]
-            extra = {"GLOO_SOCKET_IFNAME": self.links[node]}
-        log = open(out / f"agent-{'AB'[node]}.log", "w")
-        return subprocess.Popen([*cmd, str(SCRIPT), str(out), *script_args], env={**env(), **extra}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-@contextmanager
-def two_nodes():
-    nodes = Nodes()
-    nodes.make()
-    print(f"nodes: {'network namespaces ' + ', '.join(nodes.addrs) if nodes.isolated else 'loopback'}")
-    procs: list[subprocess.Popen] = []
-    try:
-        yield nodes, procs
-    finally:
-        for p in procs:
-            for pid in listeners.tree(p.pid):  # torchrun's workers sit in sessions of their own
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
-        nodes.remove()
-
-
 @pytest.mark.parametrize("lost", ["node", "worker"])
 def test_two_agents_go_on_after_a_loss(whole, tmp_path, lost):
-    with two_nodes() as (nodes, procs):
-        port = free_port()
-        procs.append(nodes.agent(0, port, 2, tmp_path))
-        procs.append(nodes.agent(1, port, 1, tmp_path, "L0:7:agent" if lost == "node" else "L0:7"))
-        assert procs[0].wait(timeout=TIMEOUT_S) == 0, (tmp_path / "agent-A.log").read_text()[-3000:]
+    with netnodes.nodes(2) as net:
+        port, args = free_port(), ["--max-restarts", "2", "--nproc-per-node"]
+        first = net.agent(0, port, tmp_path, [*args, "2"], SCRIPT, str(tmp_path), env=env())
+        second = net.agent(1, port, tmp_path, [*args, "1"], SCRIPT, str(tmp_path),
+                           "L0:7:agent" if lost == "node" else "L0:7", env=env())
+        assert first.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "agent-A.log").read_text()[-3000:]
         if lost == "worker":
-            assert procs[1].wait(timeout=60) == 0, (tmp_path / "agent-B.log").read_text()[-3000:]
+            assert second.wait(timeout=60) == 0, (tmp_path / "agent-B.log").read_text()[-3000:]
+    assert not net.left()
     log = (tmp_path / "agent-A.log").read_text()
     assert "lost a peer at step 7" in log and "saved the checkpoint of step 7" in log
     world = 2 if lost == "node" else 3

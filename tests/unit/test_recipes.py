@@ -30,6 +30,7 @@ def test_the_slurm_recipe_survives_a_lost_node_a_time_limit_and_a_second_submiss
     assert "ckpt=${CKPT_DIR:-$HOME/omnilearn-ckpt/$SLURM_JOB_ID}" in text  # keyed by the job, or given
     assert "--max-restarts" in text and "--nnodes \"1:$SLURM_NNODES\"" in text
     assert "ol.should_stop" in (EXAMPLES / "own_model.py").read_text()
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text  # a node joining late hangs the agents without it
 
 
 def _pod(doc: dict) -> dict:
@@ -53,4 +54,6 @@ def test_the_kubernetes_recipes_bound_restarts_give_a_grace_and_keep_a_directory
         assert any(e["name"] == "JOB_NAME" and "labels" in e["valueFrom"]["fieldRef"]["fieldPath"]
                    for e in container["env"]), name
     assert jobs["own_model_pytorchjob.yaml"]["spec"]["runPolicy"]["backoffLimit"] >= 1
+    elastic = _pod(jobs["own_model_pytorchjob.yaml"])["containers"][0]["env"]  # maxReplicas: pods may join late
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in elastic
     assert jobs["own_model_trainjob.yaml"]["spec"]["runtimeRef"]["name"] == "torch-distributed"
