@@ -16,13 +16,17 @@ and the launcher and torchrun forward one too).
 Who installs the handlers (:func:`install_handlers`, main thread only): the
 harness's ranks, and ``omnilearn.setup()`` unless ``handle_signals=False``
 (docs/failures.md, "Stopping your own script", says why this is the
-default). A handler already there is never silently replaced: one of ours
-stays; Python's default (SIG_DFL, KeyboardInterrupt) is replaced; a Python
-handler of the user's is chained (it still runs on every signal, after the
-flag is set); SIG_IGN stays ignored; a handler set outside Python is left
-alone and reported. :func:`restore_handlers` puts back what was replaced.
+default); ``omnilearn.setup()`` off the main thread refuses
+``handle_signals=True`` in one line (:func:`refuse_off_main_thread`), except
+in a Ray Train worker, where Ray owns stops and restarts (docs/ray.md).
+A handler already there is never silently replaced: one of ours stays;
+Python's default (SIG_DFL, KeyboardInterrupt) is replaced; a Python handler
+of the user's is chained (it still runs on every signal, after the flag is
+set); SIG_IGN stays ignored; a handler set outside Python is left alone and
+reported. :func:`restore_handlers` puts back what was replaced.
 
-Pure Python (no torch). Run: ``python -m pytest -q tests/faults/test_api_stops.py tests/faults/test_stops.py``
+Pure Python (no torch). Run: ``python -m pytest -q tests/faults/test_api_stops.py tests/faults/test_stops.py
+tests/ray/test_threads.py``
 """
 
 from __future__ import annotations
@@ -147,6 +151,18 @@ def install_handlers(signals: tuple[int, ...] = STOP_SIGNALS, announce: bool = F
         signal.signal(s, _handler if default else _Chained(current))
         _replaced[s] = current
     return notes
+
+
+def refuse_off_main_thread(who: str) -> None:
+    """Refuse, in one line (:class:`~omnilearn.config.ConfigError`), stop signals asked for off the main thread, where
+    Python cannot install their handlers (``should_stop`` would never turn true); before anything is set up."""
+    thread = threading.current_thread()
+    if thread is not threading.main_thread():
+        from omnilearn.config import ConfigError  # torch-free
+
+        raise ConfigError(f"{who} in thread {thread.name!r}: Python installs signal handlers from the main thread "
+                          "only, so SIGTERM/SIGINT could not set ol.should_stop; pass handle_signals=False (and stop "
+                          "the run yourself), or call it from the main thread")
 
 
 def handle_for_run(world_size: int, is_main: bool, who: str) -> None:

@@ -127,9 +127,11 @@ def outcomes(tmp_path_factory):
 def test_accelerate_prepare_after_wrap_model_is_refused_at_the_first_forward(outcomes):
     for got in outcomes:
         message = got["prepare_after"]
-        assert "wrapped again in DistributedDataParallel" in message and "accelerator.prepare(model) after" in message
+        assert "wrapped again in DistributedDataParallel" in message
+        assert "accelerator.prepare(model) or ray.train.torch.prepare_model after" in message
         assert "optimizer = accelerator.prepare(optimizer)" in message and "\n" not in message
-        assert "already wrapped in DistributedDataParallel (by accelerator.prepare(model)?)" in got["prepare_before"]
+        assert ("already wrapped in DistributedDataParallel (by accelerator.prepare(model) or "
+                "ray.train.torch.prepare_model?)") in got["prepare_before"]
 
 
 def test_fully_shard_after_wrap_model_is_refused_and_before_is_adopted(outcomes):

@@ -6,7 +6,9 @@ Trains the small float64 MLP of :func:`build` for :data:`STEPS` steps with the d
 controller, as docs/failures.md writes a resumable script: ``ol.load_checkpoint`` at the start, a checkpoint
 every :data:`EVERY` steps and, when ``ol.should_stop`` turns true (the SIGTERM torchrun's agent sends its
 workers when it re-forms the job for a node that joins), a final checkpoint, ``ol.close()`` and exit 143. The
-run directory is ``OUT/run`` (``out=``, ``overwrite=True``, as examples/own_model.py).
+run directory is ``OUT/run`` (``out=``, ``overwrite=False``: the re-formed job is the same job, whose record
+goes on; before omnilearn/observe/samejob.py its rank 0 refused its own run directory, and the job re-formed once
+more as a failure).
 
 Per agent (environment): ``GROW_NODE`` names the node (A, B, C) in the rows; ``GROW_MS_PER_SAMPLE`` is what a
 sample costs on it (a sleep inside the timed compute, before the forward: the emulated heterogeneity the
@@ -90,7 +92,7 @@ def main(out: Path) -> None:
     cost_s = float(os.environ.get("GROW_MS_PER_SAMPLE", "0")) / 1000
     grown, hold_at = int(os.environ.get("GROW_WORLD", "0")), int(os.environ.get("GROW_HOLD_AT", "0"))
     ol = omnilearn.setup(global_batch=GLOBAL_BATCH, control_interval=INTERVAL, total_steps=STEPS,
-                         out=str(out / "run"), overwrite=True)
+                         out=str(out / "run"), overwrite=False)
     data, model = build()
     model = ol.wrap_model(model)
     opt = optimizer(model)

@@ -335,5 +335,6 @@ def test_pyproject_keeps_the_library_small():
     assert names(extras["lightning"]) == ["lightning"]
     assert names(extras["hf"]) == ["accelerate", "transformers"]  # Trainer needs accelerate
     assert extras["tensorflow"] == ["tensorflow-cpu==2.21.0", "keras>=3.15,<3.16"]  # the releases tests/tf runs on
-    assert "omnilearn-hetero[experiments,lightning,hf,tensorflow]" in extras["test"]  # CI runs every example and TF
+    assert names(extras["ray"]) == ["ray"]  # ray[train]: the Ray Train door
+    assert "omnilearn-hetero[experiments,lightning,hf,tensorflow,ray]" in extras["test"]  # CI runs every door
     assert project["scripts"] == {"omnilearn": "omnilearn.experiments.cli:entry"}  # main(), then a quick exit

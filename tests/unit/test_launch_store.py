@@ -39,3 +39,16 @@ def test_the_fork_server_leaves_its_objects_out_of_the_collections_at_exit():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) > 100_000  # torch's objects; 0 without the module
+
+
+def test_no_freeze_where_a_nanobind_extension_would_call_every_frozen_object_a_leak():
+    """With triton loaded (torch._dynamo imports it on torch's CUDA builds), nanobind prints "leaked N instances!"
+    for every object the exit's collections leave, frozen ones included (torch 2.15.0+cu132, triton 3.9): there
+    the exit collects as usual. A stand-in module named triton is enough to show the choice."""
+    code = ("import atexit, gc, sys, types;"
+            "atexit.register(lambda: sys.stdout.write(f'frozen {gc.get_freeze_count()}'));"
+            "sys.modules['triton'] = types.ModuleType('triton');"
+            "import torch, omnilearn.experiments.launch.quickexit")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) == 0

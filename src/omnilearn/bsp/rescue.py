@@ -34,7 +34,12 @@ Where the error is seen: ``run_step``, ``ol.backward``, the meeting's read
 (``ol.step()``, a loader reading ahead, ``sync_buffers``, ``save_checkpoint``),
 ``finish()`` and ``close()`` (also in a ``finally:`` while the error
 propagates), and, for a plain ``loss.backward()`` whose error leaves the
-script, ``sys.excepthook`` (installed by ``omnilearn.setup()``, chained).
+script, ``sys.excepthook`` (installed by ``omnilearn.setup()``, chained), or
+``threading.excepthook`` where it leaves a thread's ``run()`` (a session set
+up off the main thread: ``sys.excepthook`` never sees a thread's error).
+Not armed in a Ray Train worker: Ray catches the training thread's error and
+restarts the group from its last report, never from a survivor's file
+(:mod:`omnilearn.integrations.ray`).
 SIGTERM from a launcher or torchrun's agent meanwhile only sets the stop
 flag (``handle_signals=True``), so the save finishes; the launcher allows it
 (``omnilearn train``: the failure grace covers a save; torchrun: 30 s).
@@ -57,7 +62,7 @@ rescued from the watchdog's thread while this rank waits in the open step's
 gradient all-reduce (:meth:`Rescue._hung`); past it, or with no watchdog (a
 timeout), the step boundary is not known: nothing is saved.
 
-Run: ``python -m pytest -q tests/unit/test_survivor_save.py tests/faults/test_rescue.py``
+Run: ``python -m pytest -q tests/unit/test_survivor_save.py tests/faults/test_rescue.py tests/ray/test_threads.py``
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ class Rescue:
     rescue_saver: Callable[[int], str] | None = None  # a door's own save in its own format (step -> what it did)
     rescued: str | None = None  # the line said, once a peer was lost
     updated_at: int | None = None  # next_step when an optimizer last finished step(): equal to it, weights are ahead
+    guarded_in: threading.Thread | None = None  # where guard() ran: its uncaught error is rescued (not by its ident:
+    # a thread's ident is reused by a later thread)
 
     def save_on_failure(self, directory: str | Path, *, model=None, optimizer=None, scheduler=None) -> None:
         """Where, and what, this rank saves if a peer dies: ``directory`` (a checkpoint directory, the one
@@ -179,6 +186,7 @@ def guard(session: Rescue) -> None:
     """Rescue ``session`` when a lost peer's error leaves the script uncaught (``sys.excepthook``, chained), and
     when the heartbeat watchdog names a hung peer (:func:`omnilearn.distributed.watchdog.before_exit`)."""
     _GUARDED.add(session)
+    session.guarded_in = threading.current_thread()
     if not _UPDATES:  # once per process: every optimizer's update notes the step it applies, and waits for a save
         _UPDATES.append(register_optimizer_step_post_hook(_updated))  # the watchdog's thread is making
         _UPDATES.append(register_optimizer_step_pre_hook(_not_while_saving))
@@ -186,6 +194,9 @@ def guard(session: Rescue) -> None:
     if sys.excepthook is not _excepthook:
         _excepthook.previous = sys.excepthook  # type: ignore[attr-defined]
         sys.excepthook = _excepthook
+    if threading.excepthook is not _thread_excepthook:  # the error of a thread's run(): setup() off the main thread
+        _thread_excepthook.previous = threading.excepthook  # type: ignore[attr-defined]
+        threading.excepthook = _thread_excepthook
 
 
 def unguard(session: Rescue) -> None:
@@ -213,15 +224,30 @@ def _hung(verdict: str) -> None:
 
 def _excepthook(kind, value, tb) -> None:
     previous = getattr(_excepthook, "previous", sys.__excepthook__)
-    if peer_lost(value):
-        sessions = list(_GUARDED)
-        for session in sessions:
-            session._lost(value)
-        kept = _keep_traceback(sessions, kind, value, tb) if _prints_only(previous) else None
-        if kept is not None:  # the backend's traceback (gloo's advice, C++ frames) in a file; one line here
-            print(f"omnilearn: the lost peer's error and its traceback: {kept}", file=sys.stderr, flush=True)
-            return
-    previous(kind, value, tb)
+    if not _rescued(list(_GUARDED), kind, value, tb, _prints_only(previous)):
+        previous(kind, value, tb)
+
+
+def _thread_excepthook(args) -> None:
+    """``threading.excepthook``: as :func:`_excepthook`, for an error that leaves a thread's ``run()``; only the
+    sessions set up in that thread save (another thread's error may come while a session's thread is mid-update)."""
+    previous = getattr(_thread_excepthook, "previous", threading.__excepthook__)
+    sessions = [s for s in _GUARDED if args.thread is not None and s.guarded_in is args.thread]
+    if not _rescued(sessions, args.exc_type, args.exc_value, args.exc_traceback, previous is threading.__excepthook__):
+        previous(args)
+
+
+def _rescued(sessions: list, kind, value, tb, prints_only: bool) -> bool:
+    """A lost peer's error leaving the script: ``sessions`` save; True when its traceback went to a file and one
+    line was said instead (``prints_only``: the hook it replaces would only have printed it)."""
+    if not sessions or not peer_lost(value):
+        return False
+    for session in sessions:
+        session._lost(value)
+    kept = _keep_traceback(sessions, kind, value, tb) if prints_only else None
+    if kept is not None:  # the backend's traceback (gloo's advice, C++ frames) in a file; one line here
+        print(f"omnilearn: the lost peer's error and its traceback: {kept}", file=sys.stderr, flush=True)
+    return kept is not None
 
 
 def _prints_only(hook) -> bool:

@@ -9,14 +9,19 @@ open, SIGTERM -- and SIGINT where the group has more than one rank -- set
 of killing the process (:mod:`omnilearn.stopping`; a handler of your own is
 chained, not replaced). A lone process keeps Ctrl-C as ``KeyboardInterrupt``
 (a notebook's interrupt, pytest). Why this is the default: docs/failures.md.
+Python installs signal handlers from the main thread only: elsewhere
+``handle_signals=True`` is refused in one line naming ``handle_signals=False``.
 
-Run: ``python -m pytest -q tests/dist/test_api.py tests/faults/test_api_stops.py``
+In a Ray Train training function (Ray's thread of each worker) the session
+joins Ray's group and leaves signals and restarts to Ray, whatever
+``handle_signals`` says (:func:`omnilearn.integrations.ray.adopt`; docs/ray.md).
+
+Run: ``python -m pytest -q tests/dist/test_api.py tests/faults/test_api_stops.py tests/ray/``
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from omnilearn import stopping
@@ -24,7 +29,9 @@ from omnilearn.bsp import rescue
 from omnilearn.bsp.session import Session
 from omnilearn.config import BalanceConfig, ConfigError, api_wording, dump_toml
 from omnilearn.distributed import group
+from omnilearn.integrations import ray as ray_door
 from omnilearn.keywords import KEYWORDS, check_keywords, for_world
+from omnilearn.observe import samejob
 from omnilearn.observe.rundir import prepare
 from omnilearn.torchnames import require_torch
 
@@ -39,13 +46,20 @@ def setup(config: BalanceConfig | None = None, *, total_steps: int | None = None
     neither: ``local_batch=32``. ``total_steps`` bounds the run (needed for
     ``speed_schedule="paper"`` and for streams). ``handle_signals``: stop
     signals set ``ol.should_stop`` (module docstring; False: leave them
-    alone). Mistakes raise :class:`~omnilearn.config.ConfigError`, one line
-    naming the keyword.
+    alone; off the main thread it is refused). In a Ray Train worker Ray owns
+    signals and restarts (:mod:`omnilearn.integrations.ray`). Mistakes raise
+    :class:`~omnilearn.config.ConfigError`, one line naming the keyword.
     """
+    under_ray = ray_door.in_worker()
+    if handle_signals is True and not under_ray:
+        stopping.refuse_off_main_thread("omnilearn.setup()")
     try:
         session = _setup(config, total_steps, local_batch, handle_signals, settings)
     except ConfigError as e:
         raise ConfigError(api_wording(str(e), KEYWORDS)) from None
+    if under_ray:
+        ray_door.adopt(session)  # no handlers, no survivors' save: Ray restarts from its last report (docs/ray.md)
+        return session
     if handle_signals:
         stopping.handle_for_run(session.world_size, session.is_main, "omnilearn.setup()")
     if session.world_size > 1:
@@ -62,6 +76,8 @@ def _setup(config: BalanceConfig | None, total_steps: int | None, local_batch: i
     cfg = for_world(config, settings, local_batch, ctx.world_size)
     run_dir = None
     if cfg.out is not None and ctx.is_main:
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0  # torchrun restarted this job
-        run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg), keep=restarted, hold=True)  # a re-run may resume
+        restarted = samejob.restarted() or ray_door.resuming()  # torchrun or Ray Train restarted this job
+        again = samejob.again(cfg.out)  # torchrun re-formed it (a node joined), or it was launched again
+        run_dir = prepare(cfg.out, cfg.overwrite or again, dump_toml(cfg), keep=restarted, hold=True)  # may resume
+        samejob.mark(run_dir)
     return Session(cfg, ctx, run_dir, total_steps)

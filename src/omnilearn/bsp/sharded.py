@@ -99,7 +99,8 @@ def refuse_unbalanced(model: nn.Module, world_size: int) -> None:
     """Raise one line naming what OmniLearn cannot balance in ``model`` and the supported route; else nothing."""
     kind = type(model).__name__
     if isinstance(model, DDP):
-        raise TypeError(f"ol.wrap_model() got a model already wrapped in {kind} (by accelerator.prepare(model)?): "
+        raise TypeError(f"ol.wrap_model() got a model already wrapped in {kind} (by accelerator.prepare(model) or "
+                        "ray.train.torch.prepare_model?): "
                         "pass the plain module (ol.wrap_model wraps it in DDP with the weighted gradient hook; with "
                         "accelerate prepare only the optimizer)")
     if _is_fsdp1(model):

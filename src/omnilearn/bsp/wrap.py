@@ -87,7 +87,8 @@ class BalancedDDP(DDP):
         active, seen = DDP._get_active_ddp_module(), own.get("types_checked")  # seen: (its type, module, module's type)
         if active is not None and active is not self:
             raise ConfigError(f"the model ol.wrap_model() returned was wrapped again in {type(active).__name__} "
-                              "(accelerator.prepare(model) after ol.wrap_model?), which would average its weighted "
+                              "(accelerator.prepare(model) or ray.train.torch.prepare_model after ol.wrap_model?), "
+                              "which would average its weighted "
                               "gradients a second time: keep ol.wrap_model's model and prepare only the optimizer "
                               "(optimizer = accelerator.prepare(optimizer))")
         if seen is None or type(self) is not seen[0] or type(seen[1]) is not seen[2]:

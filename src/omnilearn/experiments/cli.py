@@ -18,7 +18,6 @@ ends with one ``omnilearn: error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import signal
 import sys
@@ -221,11 +220,14 @@ def missing_harness_modules() -> list[str]:
 def entry() -> int:
     """The console script and ``python -m omnilearn``: :func:`main`, then a quick exit. The command has closed what
     it wrote; Python's last garbage collections at exit would go over every object torch (or TensorFlow) made, a
-    second of CPU, so the objects alive now are left out of them (``gc.freeze``): the process ends at once."""
+    second of CPU, so the objects alive now are left out of them (``gc.freeze``, but where triton is loaded:
+    :func:`omnilearn.experiments.launch.quickexit.freeze`): the process ends at once."""
+    from omnilearn.experiments.launch import quickexit
+
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    gc.freeze()
+    quickexit.freeze()
     return code
 
 

@@ -16,13 +16,14 @@ from omnilearn.distributed.group import launched_by_torchrun
 from omnilearn.experiments.args import config_from_args, write_plots
 from omnilearn.experiments.config import ConfigError, TrainConfig
 from omnilearn.experiments.train import preflight, restarts
+from omnilearn.observe import samejob
 from omnilearn.observe.rundir import prepare
 
 def train(args: argparse.Namespace) -> int:
     from omnilearn.experiments.train import workload
 
     cfg = config_from_args(args)
-    if restarts.torchrun_restart():  # a restarted torchrun rank continues the run in --out, whatever it holds
+    if restarts.torchrun_restart(cfg.out):  # a restarted or re-formed torchrun job continues the run in --out
         cfg = dataclasses.replace(cfg, resume=True)
         for check in (preflight.check_processes, preflight.check_emulator, preflight.check_data):
             check(cfg)
@@ -108,7 +109,7 @@ def train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
     """One rank of a torchrun job; after a restart (``TORCHELASTIC_RESTART_COUNT`` > 0) it resumes the run."""
     from omnilearn.experiments.launch import local as launch
 
-    restart = restarts.torchrun_restart()
+    restart = restarts.torchrun_restart(cfg.out)
     if cfg.max_restarts:
         raise ConfigError(f"--max-restarts {cfg.max_restarts} restarts local runs; under torchrun use torchrun's "
                           "own --max-restarts")
@@ -117,6 +118,7 @@ def train_torchrun(cfg: TrainConfig, args: argparse.Namespace) -> int:
     main_rank = os.environ["RANK"] == "0"
     if main_rank and not cfg.resume:
         run_dir = prepare(cfg.out, cfg.overwrite, dump_toml(cfg))
+        samejob.mark(run_dir)  # a re-formed job (a node joined) continues this run
     else:
         run_dir = Path(cfg.out or ".")
     launch.run_torchrun([launch.Job(cfg, run_dir)], run_dir if main_rank else None)

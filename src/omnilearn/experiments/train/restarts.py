@@ -7,8 +7,8 @@
   checkpoint after a failure, up to ``--max-restarts`` times; the failed
   attempt's error logs move to ``RUN_DIR/failures/attempt-<k>/``. Never after
   a stop signal (:class:`~omnilearn.experiments.launch.local.Interrupted`).
-- :func:`torchrun_restart`: how many times torchrun restarted this rank's job;
-  a restarted rank resumes the run in ``--out``.
+- :func:`torchrun_restart`: whether torchrun restarted (or re-formed: a node
+  joined) this rank's job; such a rank resumes the run in ``--out``.
 
 Run: ``python -m pytest -q tests/faults/test_resume.py``
 """
@@ -27,6 +27,7 @@ from omnilearn.config import ConfigError
 from omnilearn.distributed.group import launched_by_torchrun
 from omnilearn.experiments.launch import local as launch
 from omnilearn.experiments.config import TrainConfig, load_toml
+from omnilearn.observe import samejob
 from omnilearn.observe.recorder import FAILED_AT_ENV
 
 # What a resumed run may change: how it runs, not what it computes (the weights must follow the same path).
@@ -88,9 +89,10 @@ def with_restarts(attempt: Callable[[bool], None], run_dir: Path, max_restarts: 
             os.environ[FAILED_AT_ENV] = f"{time.time():.6f}"  # the resumed run reports the time it took
 
 
-def torchrun_restart() -> int:
-    """How many times torchrun restarted this job's ranks (0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if launched_by_torchrun() else 0
+def torchrun_restart(out: str | None) -> bool:
+    """Whether torchrun started this job's ranks again: restarted (after a failure) or re-formed (a node joined),
+    the job that writes ``out`` (:mod:`omnilearn.observe.samejob`); False outside torchrun."""
+    return launched_by_torchrun() and (samejob.restarted() or samejob.again(out))
 
 
 def keep_failure_logs(run_dir: Path, attempt: int, logs: str = "error-rank*.log") -> Path:
