@@ -12,7 +12,7 @@ worker count Ray restarts with, ``ol_ray.report`` hands the session's checkpoint
 ``--every`` steps. When a worker dies, or a node joins an elastic run, Ray restarts the group from the last report
 and the run goes on from that step with the same global batches, re-split over the new workers (docs/ray.md).
 
-Synthetic data (a noisy linear target) and a small MLP: it runs on a laptop's CPUs.
+Synthetic data (a noisy linear target) and a small MLP: it runs on a laptop's CPUs. OmniLearn lines: 14
 """
 
 from __future__ import annotations
@@ -39,21 +39,22 @@ def train_fn(config: dict) -> None:
     ol = omnilearn.setup(global_batch=config["global_batch"], control_interval=10,  # OmniLearn: Ray's group
                          total_steps=config["steps"])
     torch.manual_seed(0)  # the same initial weights everywhere (DDP would copy rank 0's anyway)
-    model = ol.wrap_model(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model = ol.wrap_model(net)  # OmniLearn: not ray.train.torch.prepare_model
     loader = ol.data_loader(synthetic())  # OmniLearn: this worker's share of every global batch
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ol_ray.resume(ol, model=model, optimizer=optimizer)  # OmniLearn: Ray's last checkpoint, at any worker count
-    while ol.next_step < config["steps"]:
+    while ol.next_step < config["steps"]:  # OmniLearn: from a resumed step on
         loader.set_epoch(ol.epoch)  # OmniLearn: a resumed run starts at its checkpoint's epoch and place
         for x, y in loader:
-            loss = F.mse_loss(model(x.to(ol.device)), y.to(ol.device))
+            loss = F.mse_loss(model(x.to(ol.device)), y.to(ol.device))  # OmniLearn: the session's device
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             ol.step(loss)  # OmniLearn: times the step; every 10 steps the controller may move batches
             ol_ray.report(ol, {"loss": loss.item()}, model=model, optimizer=optimizer,  # OmniLearn
                           every=config["every"])
-            if ol.next_step >= config["steps"]:
+            if ol.next_step >= config["steps"]:  # OmniLearn
                 break
     ol.finish()  # OmniLearn: the summary on rank 0
     ol.close()  # OmniLearn
