@@ -115,7 +115,9 @@ class Nodes:
         else:
             cmd = torchrun(*full)
         with open(out / f"agent-{letter(node)}.log", "w") as log:
-            proc = subprocess.Popen([*cmd, str(script), *script_args], env={**os.environ, **extra, **(env or {})},
+            # the node's own interface wins over the caller's environment: an in-process local launch earlier in this
+            # test process sets GLOO_SOCKET_IFNAME=lo in os.environ, and gloo on lo in a namespace connects nowhere
+            proc = subprocess.Popen([*cmd, str(script), *script_args], env={**os.environ, **(env or {}), **extra},
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc

@@ -41,7 +41,7 @@ def _setup(out, overwrite, held=None):
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_reformed_job_holds_its_record_for_the_resume_and_another_job_is_refused_or_replaces_it(
-        tmp_path, torchrun_job, overwrite):
+        tmp_path, torchrun_job, overwrite, capsys):
     out = tmp_path / "run"
     torchrun_job("slurm-4242")
     _setup(out, overwrite)
@@ -49,6 +49,8 @@ def test_a_reformed_job_holds_its_record_for_the_resume_and_another_job_is_refus
     held = []
     _setup(out, overwrite, held)  # the agents re-formed the job for a newcomer: same rendezvous, count still 0
     assert held[0].count("eval") == 1  # the job's record, held for the script's resume (not refused, not cleared)
+    said = capsys.readouterr().err
+    assert ("holds the record of this torchrun job (rendezvous 'slurm-4242')" in said) is not overwrite  # a line
     torchrun_job("slurm-4243")  # another job in the same directory
     if overwrite:
         _setup(out, True)
@@ -67,3 +69,23 @@ def test_no_rendezvous_id_is_no_job(tmp_path, monkeypatch):
         assert not (tmp_path / samejob.MARK).exists()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert samejob.restarted()
+
+
+def test_a_rank_of_a_first_launch_that_finds_rank_0s_mark_does_not_resume_alone(tmp_path, torchrun_job, monkeypatch):
+    """``omnilearn train`` under torchrun: every rank decides before joining whether it resumes. In a first launch
+    rank 0 may have made and marked the run directory before a slower rank looks (it resumed alone, and the job
+    hung); only a mark with a checkpoint beside it is a re-formed job."""
+    from omnilearn.checkpoint import CheckpointStore
+    from omnilearn.experiments.train import restarts
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torchrun_job("job-7")
+    out = tmp_path / "run"
+    out.mkdir()
+    samejob.mark(out)  # rank 0 was first
+    assert not restarts.torchrun_restart(str(out))
+    CheckpointStore(out / "checkpoints").save(3, {"step": 3})  # the stop of the job's last attempt
+    assert restarts.torchrun_restart(str(out))
+    torchrun_job("job-8")
+    assert not restarts.torchrun_restart(str(out))

@@ -77,7 +77,9 @@ def _setup(config: BalanceConfig | None, total_steps: int | None, local_batch: i
     run_dir = None
     if cfg.out is not None and ctx.is_main:
         restarted = samejob.restarted() or ray_door.resuming()  # torchrun or Ray Train restarted this job
-        again = samejob.again(cfg.out)  # torchrun re-formed it (a node joined), or it was launched again
+        again = samejob.again(cfg.out) and not restarted  # torchrun re-formed it (a node joined), or launched again
+        if again and not cfg.overwrite:
+            samejob.say_again(cfg.out, "held until ol.load_checkpoint resumes it, dropped if the run starts afresh")
         run_dir = prepare(cfg.out, cfg.overwrite or again, dump_toml(cfg), keep=restarted, hold=True)  # may resume
         samejob.mark(run_dir)
     return Session(cfg, ctx, run_dir, total_steps)

@@ -52,3 +52,11 @@ def mark(run_dir: Path) -> None:
     if job is not None:
         data = job.encode("utf-8")
         write_atomic(run_dir / MARK, lambda f: f.write(data))
+
+
+def say_again(out: str | Path, what: str) -> None:
+    """The one line rank 0 says when ``out`` is taken as this job's own (:func:`again`): never silently."""
+    import sys
+
+    print(f"omnilearn: {out} holds the record of this torchrun job (rendezvous {job_id()!r}), re-formed or launched "
+          f"again: {what}", file=sys.stderr, flush=True)

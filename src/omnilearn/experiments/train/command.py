@@ -24,6 +24,8 @@ def train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if restarts.torchrun_restart(cfg.out):  # a restarted or re-formed torchrun job continues the run in --out
+        if not samejob.restarted() and os.environ.get("RANK") == "0":
+            samejob.say_again(cfg.out, "resuming it from its newest checkpoint")
         cfg = dataclasses.replace(cfg, resume=True)
         for check in (preflight.check_processes, preflight.check_emulator, preflight.check_data):
             check(cfg)

@@ -90,9 +90,16 @@ def with_restarts(attempt: Callable[[bool], None], run_dir: Path, max_restarts: 
 
 
 def torchrun_restart(out: str | None) -> bool:
-    """Whether torchrun started this job's ranks again: restarted (after a failure) or re-formed (a node joined),
-    the job that writes ``out`` (:mod:`omnilearn.observe.samejob`); False outside torchrun."""
-    return launched_by_torchrun() and (samejob.restarted() or samejob.again(out))
+    """Whether torchrun started this job's ranks again: restarted (after a failure), or re-formed (a node joined)
+    with a checkpoint to resume in ``out``, the job's run directory (:mod:`omnilearn.observe.samejob`); False
+    outside torchrun. Every rank decides this before the group is joined, so the mark alone is not enough: in a
+    first launch rank 0 may have made and marked ``out`` before a slower rank looks, which then resumed alone and
+    hung the job; a checkpoint cannot exist before every rank has joined."""
+    if not launched_by_torchrun():
+        return False
+    if samejob.restarted():
+        return True
+    return out is not None and samejob.again(out) and bool(CheckpointStore(Path(out) / "checkpoints").steps())
 
 
 def keep_failure_logs(run_dir: Path, attempt: int, logs: str = "error-rank*.log") -> Path:
