@@ -3,9 +3,15 @@
 :func:`local_cluster` starts a head node (``ray.cluster_utils.Cluster``; more nodes with ``cluster.add_node``),
 connects this process to it, and at the end shuts it down and checks that every process it started is gone.
 Ray is told to start no dashboard, send no usage statistics, use 127.0.0.1 for every node (the machine's other
-address is never used), poll its training workers every 0.1 s (a report is committed within one poll), and run
+address is never used), find this cluster and no other (``RAY_ADDRESS``: Ray's own actors call ``ray.init()``
+without an address, and another test file's cluster may run beside this one), poll its training workers every 0.1 s (a report is committed within one poll), and run
 no preemption watcher, state reconciliation or metrics of Ray Train (:data:`ENV`: tests/ray/conftest.py puts it in
 the environment before Ray is imported). Its logs and sockets live in a temporary directory, removed at the end.
+
+What listens: once the training workers are gone, nothing the cluster started may listen beyond loopback. While a
+run lasts, rank 0's worker also holds torch's TCPStore of the process group Ray's backend makes, bound to every
+interface (torch has no bind address for it; a multi-node job needs it reachable): the check waits for the
+workers to exit first, and the end of the block checks that every process is gone.
 
 Run: ``python -m pytest -q tests/ray/``
 """
@@ -54,26 +60,50 @@ def local_cluster(head_cpus: int) -> Iterator:
 
     before = set(listeners.tree(os.getpid()))
     temp = tempfile.mkdtemp(prefix="olray", dir="/tmp")  # short: Ray's socket paths live under it
+    port, outer = free_port(), os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"  # every process of this cluster inherits it
     cluster = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args=node_args(head_cpus, temp))
+        cluster = Cluster(initialize_head=True, head_node_args={**node_args(head_cpus, temp), "gcs_server_port": port})
         cluster.temp = temp
         ray.init(address=cluster.address)
         yield cluster
         started = set(listeners.tree(os.getpid())) - before
-        exposed = listeners.exposed(started)
+        _await_gone([p for p in started if _cmdline(p).startswith("ray::RayTrainWorker")])
+        exposed = listeners.exposed(set(listeners.tree(os.getpid())) - before)
         assert not exposed, f"Ray listens beyond loopback: {exposed}"
     finally:
         started = set(listeners.tree(os.getpid())) - before
+        _restore("RAY_ADDRESS", outer)
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-        deadline = time.monotonic() + GONE_S
-        while any(listeners.alive(p) for p in started) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = [p for p in started if listeners.alive(p)]
+        left = _await_gone(started)
         shutil.rmtree(temp, ignore_errors=True)
         assert not left, f"Ray left processes behind: {left}"
+
+
+def _await_gone(pids) -> list[int]:
+    """Those of ``pids`` still alive after waiting for them to exit (a hang guard of :data:`GONE_S`)."""
+    deadline = time.monotonic() + GONE_S
+    while any(listeners.alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if listeners.alive(p)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _restore(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 class Fit:
