@@ -15,7 +15,8 @@ number for every worker, one per worker (a list or tuple, in TOML an array,
 on the command line ``256,64,64,64``; stored as a tuple), ``"auto"`` (on
 CUDA each rank measures its first step's memory and caps itself:
 :mod:`omnilearn.bsp.memory`), or None (no cap beyond the global batch).
-:attr:`BalanceConfig.batch_caps` is the form the planner takes.
+:attr:`BalanceConfig.batch_caps` is the form the planner takes. ``memory``: each rank's memory, caps counted from it
+(:mod:`omnilearn.balance.memplan`).
 
 Run: ``python -m pytest -q tests/unit/test_session_state.py tests/unit/test_cli_errors.py``
 """
@@ -33,6 +34,7 @@ from typing import Any, ClassVar, Mapping
 
 from omnilearn.balance.allocation import InfeasibleBounds, check_feasible
 from omnilearn.balance.controllers import CONTROLLERS
+from omnilearn.balance.memplan import PlanError, parse_memory
 from omnilearn.emulation.speeds import BSP_LEVELS, SpeedError, parse_speeds
 
 
@@ -65,6 +67,7 @@ class BalanceConfig:
     deadband: float = 0.05
     min_batch: int | None = None  # None: derived from the per-worker batch (:func:`derive_min_batch`)
     max_batch: int | tuple[int, ...] | str | None = None  # one, one per worker, "auto" (CUDA probe); None: none
+    memory: int | tuple[int, ...] | str | None = None  # bytes, one or per worker, "auto" (CUDA): balance/memplan.py
     batch_multiple: int = 1  # adaptive batches in multiples of this (fewer shapes: fewer torch.compile recompiles)
     control_interval: int = 15
     min_window_s: float = 0.15  # a window shorter than this is stretched to whole intervals (0: never)
@@ -83,6 +86,10 @@ class BalanceConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_batch", parse_max_batch(self.max_batch))
+        try:
+            object.__setattr__(self, "memory", parse_memory(self.memory))
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
         _check_types(self)
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"--workers {self.workers} must be positive")
@@ -223,7 +230,7 @@ def check_caps(max_batch: int | tuple[int, ...] | str | None, workers: int, min_
 
 def _check_types(cfg: BalanceConfig) -> None:
     for f in fields(cfg):
-        if f.name == "max_batch":  # parse_max_batch checked it
+        if f.name in ("max_batch", "memory"):  # parse_max_batch and parse_memory checked them
             continue
         value = getattr(cfg, f.name)
         kinds = _kinds(f)

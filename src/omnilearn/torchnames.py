@@ -80,6 +80,11 @@ def _fsdp_module_setters() -> bool:
                 "set_requires_gradient_sync"))
 
 
+def _fsdp_param_sizes() -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    return _assigned(_fsdp_group(), "fsdp_params", "mp_policy") and _assigned(FSDPParam, "sharded_param")
+
+
 def _shutdown_workers() -> bool:
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
     method = getattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", None)
@@ -118,6 +123,9 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("FSDPParamGroup.reduce_grads/gradient_divide_factor", "bsp/sharded.py",
      lambda: _assigned(_fsdp_group(), "reduce_grads", "gradient_divide_factor")),
     ("fsdp._fully_shard._fsdp_api.ReduceScatter/AllGather", "bsp/sharded.py", _fsdp_comm_interfaces),
+    ("FSDPParamGroup.fsdp_params/mp_policy, FSDPParam.sharded_param", "bsp/membytes.py", _fsdp_param_sizes),
+    ("Tensor._base (a view's base)", "bsp/membytes.py",
+     lambda: torch.zeros(2, 2, requires_grad=True).t()._base is not None),
     ("distributed_c10d._get_default_store()", "distributed/group.py",
      lambda: callable(getattr(torch.distributed.distributed_c10d, "_get_default_store", None))),
     ("DataLoader._iterator", "data/loader.py",

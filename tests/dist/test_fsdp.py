@@ -257,16 +257,23 @@ def test_a_6x_slower_sharded_rank_is_measured_slower_and_its_batch_moves_to_the_
 
 
 # ------------------------------------------------------------ checkpoints through DCP, resumed at 2 and 3 ranks
-def _checkpoint_worker(rank: int, world: int, store: str, out: str, directory: str, resume: bool) -> None:
-    _init(rank, world, store)
-    ol = omnilearn.setup(global_batch=60, speeds="4,2,1"[: 2 * world - 1], control_interval=4, min_batch=6,
-                         device="cpu", handle_signals=False)
+def train_resumable(ol, directory: str, resume: bool) -> tuple[nn.Module, bool, int]:
+    """The sharded MLP trained to step 12 (SGD with momentum), saved at step 6, or resumed from ``directory``:
+    (the model, whether it resumed, the step it started at)."""
     model = ol.wrap_model(shard(mlp()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = ol.data_loader(PairData())
     resumed = ol.load_checkpoint(directory, model=model, optimizer=opt) if resume else False
     start = ol.next_step
     train(ol, model, loader, pair_loss, 12, opt=opt, save_at=None if resume else 6, directory=directory)
+    return model, resumed, start
+
+
+def _checkpoint_worker(rank: int, world: int, store: str, out: str, directory: str, resume: bool) -> None:
+    _init(rank, world, store)
+    ol = omnilearn.setup(global_batch=60, speeds="4,2,1"[: 2 * world - 1], control_interval=4, min_batch=6,
+                         device="cpu", handle_signals=False)
+    model, resumed, start = train_resumable(ol, directory, resume)
     torch.save({"weights": full_weights(model), "resumed": resumed, "start": start, "next_step": ol.next_step,
                 "epoch": ol.epoch}, f"{out}/rank{rank}.pt")
     ol.finish()

@@ -182,6 +182,27 @@ def test_fsdp_param_group_gradient_divide_factor_is_the_units_setting(group):
         "FSDPParamGroup.gradient_divide_factor no longer holds set_gradient_divide_factor's value"
 
 
+def test_fsdp_param_groups_hold_their_params_and_policy_and_views_know_their_base(group):
+    """bsp/membytes.py counts a unit's unsharded bytes from ``fsdp_params`` (``sharded_param``: a DTensor whose numel is
+    the whole parameter's) in ``mp_policy.param_dtype``, and leaves a parameter's views (``_base``) out of the
+    activations."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from omnilearn.bsp import membytes
+    from omnilearn.bsp.sharded import param_groups
+
+    unit = fully_shard(nn.Linear(3, 2), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    (g,) = param_groups(unit)
+    assert [fp.sharded_param.numel() for fp in g.fsdp_params] == [6, 2], "FSDPParam.sharded_param changed"
+    assert g.mp_policy.param_dtype is torch.bfloat16, "FSDPParamGroup.mp_policy changed"
+    assert membytes.block_bytes(unit) == 2 * 8 * 2  # parameters and gradients, 8 numbers in bfloat16
+    weight = nn.Parameter(torch.ones(2, 2))
+    assert weight.t()._base is weight, "Tensor._base no longer names a view's base"
+    with membytes.SavedBytes() as saved:
+        (torch.ones(4, 2) @ weight.t()).sum().backward()
+    assert saved.peak == 4 * 2 * 4  # the input only: the weight's view is the state, not an activation
+
+
 def test_fsdp_custom_comm_interfaces_match_ours():
     """bsp/sharded.py's WeightedReduceScatter and TimedAllGather implement FSDP2's comm interfaces (private module
     ``torch.distributed.fsdp._fully_shard._fsdp_api``): same parameters, in order. (Their calls on 2+ ranks:

@@ -178,6 +178,13 @@ class MemoryCap:
         caps = [c for c in (self.configured, self.limit, self.probed) if c is not None]
         return min(caps) if caps else None
 
+    @property
+    def fixed(self) -> int | None:
+        """The cap without the probe's: configured or learned from an error (FSDP2 splits a share only at these;
+        a probed cap reaches its shares through the planner at the next interval end)."""
+        caps = [c for c in (self.configured, self.limit) if c is not None]
+        return min(caps) if caps else None
+
     def reported(self) -> int | None:
         """The largest share the planner should give this rank beyond the configured caps (None: no more cap)."""
         caps = [c for c in (self.limit, self.probed) if c is not None]

@@ -95,7 +95,7 @@ from omnilearn.bsp.backward import HookState
 from omnilearn.bsp.emulate import Emulation
 from omnilearn.bsp.ending import Ending
 from omnilearn.bsp.interval import check_same_settings
-from omnilearn.bsp import memory, sharded
+from omnilearn.bsp import membytes, memory, sharded
 from omnilearn.bsp.micro import MicroSteps
 from omnilearn.bsp.persist import Persistence
 from omnilearn.bsp.rescue import Rescue
@@ -143,6 +143,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         self.memory = memory.MemoryCap(memory.rank_cap(cfg.max_batch, ctx.rank), cfg.accumulation_steps)
         auto = cfg.max_batch == AUTO and ctx.device.type == "cuda"
         self.probe = memory.CudaProbe(ctx.device) if auto else None  # the first step measures the memory
+        self.probe_needs = None
         self.reducer_resets = memory.ReducerResets()  # DDP's reducer after out-of-memory redos
         self.caps_seen: list[int] | None = None  # rank 0: the caps the loop held at the last interval end
         # steps between looks for a speed shift (0: none; one worker has nothing to shift against)
@@ -208,6 +209,8 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         else:
             self.model = wrap(model, self.device, self.ctx.grouped, self.hook, **ddp_kwargs)
         self.micro.use_model(self.model, self.ctx.grouped, self.world_size)
+        if self.cfg.memory is not None:  # the first step counts what it holds: the cap for this rank's memory
+            self.probe = membytes.probe_for(self.cfg, self.ctx, self.model)
         emulated = memory.fault_oom_samples(self.rank)
         if emulated is not None:
             memory.emulate_oom(self.model, emulated)
@@ -283,9 +286,7 @@ class Session(DataSources, Persistence, Ending, MemorySteps, IntervalEnds, Rescu
         elif self.check_every and self.checks_on and size % self.check_every == 0:
             self._check(step)
         if self.probe is not None:
-            self.memory.probe(self.probe.end(max(self.micro.sizes)))
-            if self.probe.done:
-                self.probe = None
+            self._probe_ended()
         self.clock.step_ended()
         if ledger.queue:  # a step fetched ahead: its clock starts now
             ledger.start_next()

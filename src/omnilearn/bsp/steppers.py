@@ -47,10 +47,12 @@ from dataclasses import dataclass
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from omnilearn.bsp import memory, replicas, sharded
+from omnilearn.balance import memplan
 from omnilearn.balance.controllers import Decision
 from omnilearn.bsp.interval import Meeting, window_meeting
 from omnilearn.decisions import (CHECK, INTERVAL, check, checks_pay, feed, interval_step_s, reset_asked,
                                  settled, stop_asked, window_steps)
+from omnilearn.config import ConfigError
 from omnilearn.distributed.lost import peer_lost
 from omnilearn.observe.rankrows import Totals
 from omnilearn.stopping import stop_requested
@@ -74,16 +76,40 @@ class MemorySteps:
     def _split(self, batch) -> list:
         parts = list(batch) if self.cfg.accumulation_steps > 1 else [batch]
         cap, planned = self.memory.cap, self.micro.planned
+        if sharded.is_sharded(self.model):  # each forward all-gathers: every rank must run as many micro-batches
+            cap = self.memory.fixed
         if cap is None or max(planned) <= cap:
             self.micro.split(planned)
             return parts
-        if sharded.is_sharded(self.model):  # each forward all-gathers: every rank must run as many micro-batches
+        if sharded.is_sharded(self.model):
             raise RuntimeError(f"rank {self.rank}, step {self.ledger.open}: a share of {sum(planned)} samples is "
                                f"above this rank's max_batch={cap}; with FSDP2 shares are kept within the caps by "
                                "the planner and are not split further (a plan set by hand must respect max_batch)")
         out = [p for part, m in zip(parts, planned) for p in memory.split_batch(part, memory.split_sizes([m], cap))]
         self.micro.split(memory.split_sizes(planned, cap))
         return out
+
+    def _probe_ended(self) -> None:
+        """The probed step's cap (``max_batch="auto"`` on CUDA; ``memory=``: counted); a plan that cannot hold
+        one sample is this rank's error, announced (its peers end naming it)."""
+        try:
+            cap = self.probe.end(max(self.micro.sizes))
+        except ConfigError as e:
+            self._fail(e)
+            raise
+        if cap is not None:
+            self.memory.probe(cap)
+        if self.probe.done:
+            self.probe_needs = getattr(self.probe, "needs", None)  # memory=: what the first step held, counted
+            self.probe = None
+
+    def _check_memory_caps(self, table) -> None:
+        """``memory=``: the caps the ranks counted can hold the step (the same table, so the same line, on every
+        rank: each raises it)."""
+        problem = memplan.caps_problem([int(row[4]) for row in table], self.cfg.global_batch, self.cfg.min_batch,
+                                       self.cfg.accumulation_steps, sharded.is_sharded(self.model))
+        if problem is not None:
+            raise ConfigError(problem)
 
     @property
     def resets(self) -> memory.ReducerResets:
@@ -220,6 +246,8 @@ class IntervalEnds:
         at = read.step + 1
         self.resets.met(reset_asked(table))
         if read.kind == INTERVAL:
+            if self.cfg.memory is not None:
+                self._check_memory_caps(table)
             self.should_stop = self.should_stop or stop_asked(table)
             step_s = interval_step_s(table)
             self.checks_on = checks_pay(step_s, self.check_every)

@@ -85,6 +85,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--min-batch", type=int, help="smallest per-worker batch (default: a quarter of the even share, at most 8)")
     add("--max-batch", help="largest per-worker batch: one number, one per worker (256,64,64,64), or auto "
         "(CUDA: from a probe of free memory); default: the global batch")
+    add("--memory", help="each worker's memory, one size or one per worker (4GiB,16GiB), or auto (CUDA): caps "
+        "counted from what the first step holds (docs/memory.md)")
     add("--batch-multiple", type=int, help="keep adaptive batches in multiples of this (fewer torch.compile "
         "recompiles; default 1)")
     add("--accumulation-steps", type=int, help="micro-batches per optimizer step on every worker (default 1); "

@@ -141,8 +141,9 @@ class TrainConfig(BalanceConfig):
         if self.max_staleness is not None and self.max_staleness < 1:
             raise ConfigError(f"--max-staleness {self.max_staleness} must be 1 or more versions (leave it out for no "
                               "bound)")
-        if self.max_batch == AUTO:
-            raise ConfigError("--max-batch auto (a CUDA memory probe per rank) is for --mode bsp; give a number in asp")
+        if self.max_batch == AUTO or self.memory is not None:
+            flag = "--max-batch auto (a CUDA memory probe per rank)" if self.max_batch == AUTO else "--memory"
+            raise ConfigError(f"{flag} is for --mode bsp; give --max-batch <samples> in asp")
         if isinstance(self.max_batch, tuple):  # the server plans with one cap for every live worker
             if len(set(self.max_batch)) > 1:
                 raise ConfigError(f"--mode asp keeps one cap for every worker; --max-batch "
@@ -165,6 +166,7 @@ class TrainConfig(BalanceConfig):
                 raise ConfigError(f"--framework tensorflow --mode asp has no {said[0]} yet (docs/tensorflow.md); "
                                   "drop it or use the PyTorch runtime")
         missing = {"--accumulation-steps": self.accumulation_steps != 1, "--max-batch auto": self.max_batch == AUTO,
+                   "--memory": self.memory is not None,
                    f"--emulator {self.emulator}": self.emulator not in ("delay", "none"),
                    "--loader-workers": self.loader_workers, "--device cuda": self.device == "cuda",
                    "--weight-decay with --optimizer sgd": self.weight_decay and self.optimizer == "sgd"}

@@ -96,6 +96,9 @@ def check_supported(cfg: BalanceConfig) -> None:
     if cfg.max_batch == AUTO:
         raise ConfigError("max_batch='auto' probes CUDA memory in the PyTorch runtime only; give the TensorFlow "
                           "runtime a number per worker (or none)")
+    if cfg.memory is not None:
+        raise ConfigError("memory= plans caps from the bytes a PyTorch step holds, in the PyTorch runtime only; give "
+                          "the TensorFlow runtime max_batch=<samples> per worker (or none)")
 
 
 class TFSession:

@@ -33,7 +33,7 @@ from omnilearn.observe.recorder import FAILED_AT_ENV
 # What a resumed run may change: how it runs, not what it computes (the weights must follow the same path).
 RESUME_MAY_CHANGE = frozenset({
     "workers", "speeds", "speed_schedule", "emulator", "containers", "throttle_cpus", "controller", "deadband",
-    "min_batch", "max_batch", "control_interval", "min_window_s", "device", "timeout_s", "heartbeat_s", "quiet", "loader_workers",
+    "min_batch", "max_batch", "memory", "control_interval", "min_window_s", "device", "timeout_s", "heartbeat_s", "quiet", "loader_workers",
     "checkpoint_every", "keep_checkpoints", "resume", "max_restarts", "oversubscribe", "out", "overwrite",
     "data_dir", "preset", "max_time_s"})
 
