@@ -7,7 +7,9 @@ that 10 samples fit. The ranks' speeds are equal, so without the plan each would
 runs at most its cap from the first interval end on, and the run still equals one process on the same global
 batches (float64, relative 1e-12). A DCP checkpoint of the 2-rank run at step 6 resumes on 3 ranks with another
 plan (each rank counts again, at its new shard) and ends on the same weights. Each rank says its plan in one line:
-even shards (no torch release OmniLearn supports can place FSDP2 state unevenly), and its cap.
+even shards (no torch release OmniLearn supports can place FSDP2 state unevenly), and its cap. Under torchrun
+(tests/dist/memory_plan_script.py) a worker killed after step 6 costs what it costs FSDP2 without the plan: the
+survivor says the restart resumes from the last checkpoint (step 4), and the restart plans again and ends exact.
 
 Run: ``python -m pytest -q tests/dist/test_memory_plan.py``
 """
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+from pathlib import Path
 
+import agents
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,6 +34,7 @@ from omnilearn.balance import memplan
 from omnilearn.decisions import SCRIPTED_ENV
 
 pytestmark = pytest.mark.dist
+SCRIPT = Path(__file__).with_name("memory_plan_script.py")
 CAP0 = 10  # the samples rank 0's declared memory is sized for
 
 
@@ -90,3 +96,20 @@ def test_declared_memory_caps_each_rank_exactly_and_a_resume_replans_at_another_
     assert caps[0] < caps[1] < caps[2] and three[0]["loop"] == caps, (caps, three[0]["loop"])
     assert all(all(b <= c for b, c in zip(p, caps)) for p in three[0]["plans"][4:]), three[0]["plans"]
     assert three[0]["plans"][-1][0] < 20  # rank 0 below the even share of 20
+
+
+def test_a_lost_worker_restarts_from_the_last_checkpoint_and_plans_again(tmp_path):
+    """tests/dist/memory_plan_script.py under torchrun (--max-restarts 1): rank 1 killed after step 6."""
+    tests = str(Path(__file__).parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), tests]),
+           SCRIPTED_ENV: "0.0005,0.0005"}
+    done = agents.torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", str(SCRIPT), str(tmp_path),
+                           env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = [line for line in done.stderr.splitlines() if "FSDP2's state is sharded" in line]
+    assert said and said[0].endswith(f"a restart resumes from the last checkpoint in {tmp_path / 'ckpt'} (step 4)")
+    plans = [line for line in done.stderr.splitlines() if "omnilearn: memory plan, rank" in line]
+    assert len(plans) == 8, plans  # each rank: the sizing session and the run, in each of the two attempts
+    got = torch.load(tmp_path / "attempt-1.pt", weights_only=True)
+    assert got["start"] == 4 and got["caps"][0] == got["cap"] == CAP0  # resumed, planned again
+    assert max_relative(got["weights"], reference(mlp(), PairData(), pair_loss, 60, 12, momentum=0.9)) < EXACT_F64
