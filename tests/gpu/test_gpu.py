@@ -12,6 +12,7 @@
 - Memory (:mod:`omnilearn.bsp.memory`): ``max_batch="auto"`` measures the
   first steps and caps the rank at the best estimate (more than a step's
   batch on a big GPU);
+  ``memory="auto"`` counts the first step's CUDA tensors against the device's total memory;
   a real CUDA out-of-memory error in the forward (an impossible allocation
   above 16 samples) halves the cap and redoes the step: the weights equal a
   run without it, and the allocator's memory is given back.
@@ -190,6 +191,17 @@ def test_auto_cap_probes_the_first_steps():
     assert ol.max_batch is not None and ol.max_batch > 64  # a tiny model on a big GPU
     assert ol.memory.reported() == ol.max_batch == ol.memory.probed and ol.probe is None
     assert ol.memory.limit is None  # a probe's cap, which a later probe may raise; no out-of-memory limit
+
+
+def test_memory_auto_counts_cuda_tensors_against_the_devices_total(capsys):
+    """``memory="auto"``: the device's total memory, the first step's counted bytes (CUDA tensors), one line."""
+    from omnilearn.balance import memplan
+
+    _, ol = _memory_run(None, memory="auto")
+    total = torch.cuda.get_device_properties(ol.device).total_memory
+    needs = ol.probe_needs
+    assert needs.state > 0 and needs.per_sample > 0 and ol.max_batch == memplan.cap(total, needs, 0) > 64
+    assert f"memory plan, rank 0: {memplan.human(total)}: a full replica" in capsys.readouterr().err
 
 
 def test_a_real_cuda_out_of_memory_error_is_recovered(capsys):

@@ -48,7 +48,8 @@ redoes the step, and the next control interval re-plans within the cap::
             ol.step()
 
 Without recovery, ``for x, y in ol.micro_batches(batch): ol.backward(...)``
-splits the same way. ``ol.max_batch`` is this rank's cap now.
+splits the same way. ``ol.max_batch`` is this rank's cap now. ``memory=[...]`` (each rank's memory): the first
+step counts what it holds and the cap follows (:mod:`omnilearn.bsp.membytes`; ``ol.probe_needs``: the counts).
 
 One rank fails, all ranks end: an error of this rank alone (one that
 ``run_step`` cannot redo, an out-of-memory error in ``backward()`` or
