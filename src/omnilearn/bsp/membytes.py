@@ -12,7 +12,8 @@ The torch side of the memory plan (:mod:`omnilearn.balance.memplan` decides). Co
 
 :class:`CountingProbe` counts them in a run's first step and gives the rank's cap for its declared (CPU) or
 measured (CUDA) memory; the session uses it like the CUDA probe of ``max_batch="auto"``
-(:mod:`omnilearn.bsp.memory`): every step after the first plans within it.
+(:mod:`omnilearn.bsp.memory`): the cap travels in the next control interval's meeting and the controller plans
+every rank's share within it from then on (until then, the even split runs: docs/memory.md's limits).
 
 Run: ``python -m pytest -q tests/unit/test_memplan.py tests/dist/test_memory_plan.py``
 """
