@@ -106,10 +106,11 @@ def test_a_lost_worker_restarts_from_the_last_checkpoint_and_plans_again(tmp_pat
     done = agents.torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", str(SCRIPT), str(tmp_path),
                            env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    said = [line for line in done.stderr.splitlines() if "FSDP2's state is sharded" in line]
-    assert said and said[0].endswith(f"a restart resumes from the last checkpoint in {tmp_path / 'ckpt'} (step 4)")
-    plans = [line for line in done.stderr.splitlines() if "omnilearn: memory plan, rank" in line]
-    assert len(plans) == 8, plans  # each rank: the sizing session and the run, in each of the two attempts
+    # the ranks write to one stream: a line may hold another rank's message, so messages are counted, not lines
+    assert (f"FSDP2's state is sharded across the ranks, so survivors cannot save it: a restart resumes from the last "
+            f"checkpoint in {tmp_path / 'ckpt'} (step 4)") in done.stderr, done.stderr[-3000:]
+    plans = done.stderr.count("omnilearn: memory plan, rank")
+    assert plans == 8, done.stderr[-3000:]  # each rank: the sizing session and the run, in each of the two attempts
     got = torch.load(tmp_path / "attempt-1.pt", weights_only=True)
     assert got["start"] == 4 and got["caps"][0] == got["cap"] == CAP0  # resumed, planned again
     assert max_relative(got["weights"], reference(mlp(), PairData(), pair_loss, 60, 12, momentum=0.9)) < EXACT_F64
