@@ -137,8 +137,10 @@ def test_cli_one_worker_and_three_on_a_fixed_split_end_with_the_same_float32_wei
     rows = read_metrics(tmp_path / "three", "step")
     splits = {tuple(r["batch"] for r in rows if r["step"] == s) for s in range(12)}
     assert len(splits) == 1 and len(set(*splits)) == 3  # one uneven split all along
-    delays = [[r["delay_s"] > 0 for r in rows if r["rank"] == k] for k in (0, 2)]
-    assert not any(delays[0]) and any(delays[1])  # --speeds reached the emulator: the slowest sleeps, the fastest never
+    # --speeds reached the emulator: the fastest never sleeps. (Whether the slowest sleeps depends on the machine:
+    # 4x its CPU time has already passed on a loaded one, as in a whole-suite run at 87%; tests/unit/test_timing.py)
+    assert read_metrics(tmp_path / "three", "speeds")[0]["speeds"] == [4, 2, 1]
+    assert not any(r["delay_s"] > 0 for r in rows if r["rank"] == 0)
     for name, rel in relative(load_weights(tmp_path / "three"), one_worker_float32).items():
         assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
 
