@@ -34,8 +34,9 @@ from typing import Iterator
 
 import listeners
 
-# the default last call (30 s) would wait that long per round; a dead node's keep-alive is missed after 3 s, not 15
-RDZV_CONF = "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+# the default last call (30 s) would wait that long per round; a dead node's keep-alive is missed after 3 s, not 15;
+# a store read (an agent's role info after a restart) may wait 120 s, not 60: a whole-suite run's load outlasted 60
+RDZV_CONF = "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=120"
 
 
 def letter(node: int) -> str:
