@@ -4,9 +4,10 @@
 connects this process to it, and at the end shuts it down and checks that every process it started is gone.
 Ray is told to start no dashboard, send no usage statistics, use 127.0.0.1 for every node (the machine's other
 address is never used), find this cluster and no other (``RAY_ADDRESS``: Ray's own actors call ``ray.init()``
-without an address, and another test file's cluster may run beside this one), poll its training workers every 0.1 s (a report is committed within one poll), and run
-no preemption watcher, state reconciliation or metrics of Ray Train (:data:`ENV`: tests/ray/conftest.py puts it in
-the environment before Ray is imported). Its logs and sockets live in a temporary directory, removed at the end.
+without an address, and another test file's cluster may run beside this one), poll its training workers every
+0.1 s (a report is committed within one poll), run its workers at the suite's priority (not Ray's nice 15), and
+run no preemption watcher, state reconciliation or metrics of Ray Train (:data:`ENV`: tests/ray/conftest.py puts
+it in the environment before Ray is imported). Its logs and sockets live in a temporary directory, removed at the end.
 
 What listens: once the training workers are gone, nothing the cluster started may listen beyond loopback. While a
 run lasts, rank 0's worker also holds torch's TCPStore of the process group Ray's backend makes, bound to every
@@ -40,6 +41,10 @@ ENV = {
     "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
     "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
+    # Ray runs its workers (the training workers, the controller) at nice 15: beside the suite's other tests, or any
+    # CPU hog, they got a few percent of a core (a first worker group took 386 s to start beside three busy loops,
+    # 15 s alone). At the suite's own priority they get their share.
+    "RAY_worker_niceness": "0",
     "OMP_NUM_THREADS": "1",
 }
 GONE_S = 30.0  # a hang guard for the processes to exit after the shutdown
