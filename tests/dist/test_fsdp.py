@@ -8,13 +8,14 @@
   count, and a run whose fastest rank is capped (``max_batch``: the planner
   keeps its share within the cap). FSDP's own average over the world size,
   left in place, is off by far more (checked).
-- Timing: rank 1 emulated 6x slower (the delay emulator, measured clocks:
+- Timing: rank 1 emulated 12x slower (the delay emulator, measured clocks:
   no script). Both ranks' steps take as long (every collective waits for
   the slow one), yet the compute each measures leaves out the time blocked
   in FSDP's all-gathers and reduce-scatters: rank 1 measures several times
-  rank 0's (1.0 with the waits in), and the controller moves batches to
-  rank 0. 6x, not 3x: the emulator stretches CPU time, so on a loaded host
-  (another test beside this one) a 3x rank measured as little as 1.5x.
+  rank 0's (the step ratio, 1.0, with the waits in), and the controller
+  moves batches to rank 0. 12x, not 3x or 6x: the emulator stretches CPU
+  time, so on a loaded host a 3x rank measured as little as 1.5x (another
+  test beside it) and a 6x rank 1.42x (at 87% of a whole-suite run).
 - Checkpoints through DCP: 2 ranks save at step 6 and go on to 12; from
   that checkpoint 2 ranks and 3 ranks (DCP reshards) resume to 12 and end
   with the uninterrupted run's weights (< 1e-12) and its data position.
@@ -211,7 +212,7 @@ def test_a_capped_sharded_rank_stays_within_its_cap_and_the_world_size_average_i
 # ------------------------------------------------------------ timing under an emulated slow rank
 def _timing_worker(rank: int, world: int, store: str, out: str) -> None:
     _init(rank, world, store)
-    ol = omnilearn.setup(global_batch=96, speeds="6,1", control_interval=6, device="cpu", handle_signals=False)
+    ol = omnilearn.setup(global_batch=96, speeds="12,1", control_interval=6, device="cpu", handle_signals=False)
     torch.manual_seed(0)
     # per-sample compute well above FSDP's per-step overhead (which a slow machine slows as much)
     model = ol.wrap_model(shard(nn.Sequential(nn.Linear(6, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(),
@@ -237,7 +238,7 @@ def _timing_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_6x_slower_sharded_rank_is_measured_slower_and_its_batch_moves_to_the_fast_rank(tmp_path):
+def test_a_12x_slower_sharded_rank_is_measured_slower_and_its_batch_moves_to_the_fast_rank(tmp_path):
     fast, slow = spawn(_timing_worker, 2, tmp_path)
     assert fast["first_batches"] == [48, 48]
     ratio = slow["compute_s"] / fast["compute_s"]
@@ -245,12 +246,14 @@ def test_a_6x_slower_sharded_rank_is_measured_slower_and_its_batch_moves_to_the_
           f"step {fast['step_s'] * 1e3:.1f} vs {slow['step_s'] * 1e3:.1f} ms, wait {fast['wait_s'] * 1e3:.1f} vs "
           f"{slow['wait_s'] * 1e3:.1f} ms; batches at the end {fast['last']}")
     # Both steps take as long (every collective waits for the slow rank) ...
-    assert abs(fast["step_s"] / slow["step_s"] - 1) < 0.25
-    # ... yet the compute each measures leaves the waits in FSDP's collectives out: 6x emulated, several times
-    # measured (with the waits in, 1.0; on a loaded 2-core host the fast rank's wall compute runs above its CPU
-    # time, while the emulator makes the slow rank's exactly 6x its CPU time: 3x emulated measured 1.5-2.3 beside
-    # another test, 2.8-3.3 idle)
-    assert 1.8 < ratio < 9, ratio
+    steps = slow["step_s"] / fast["step_s"]
+    assert abs(steps - 1) < 0.25
+    # ... yet the compute each measures leaves the waits in FSDP's collectives out: with the waits in, the compute
+    # ratio would be the step ratio beside it. 12x emulated, several times measured: the emulator makes the slow
+    # rank's compute exactly 12x its CPU time, while on a loaded 2-core host the fast rank's wall compute runs well
+    # above its CPU time (6x emulated measured 1.42 at 87% of a whole-suite run, 3x measured 1.5-2.3 beside another
+    # test and 2.8-3.3 idle)
+    assert 1.5 * steps < ratio < 18, (ratio, steps)
     assert fast["wait_s"] > slow["wait_s"]
     b0, b1 = fast["last"]
     assert b0 + b1 == 96 and b0 >= 1.5 * b1, (b0, b1)  # moved from 48/48 to the fast rank (88/8 when idle)
