@@ -34,7 +34,6 @@ import pytest
 from ranks import max_relative, start_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
