@@ -15,8 +15,8 @@ run imports nothing.
 - Two workers declared equal, scripted timings with worker 1 three times slower a sample, the ``model``
   controller every 2 x 2 pushes: the batches move to worker 0 until both push at the same rate (48 and 16), and
   the gradient function is traced once per worker whatever the batch.
-- Two workers at 16 and 48, worker 1's server SIGKILLed after 5 pushes: the chief drops it and worker 0 ends the
-  run; no sample is lost or repeated and no push is applied that the chief did not count (a call of worker 0
+- Two workers at 16 and 48, worker 1's server SIGKILLed once 5 pushes were applied and both workers had answered:
+  the chief drops it and worker 0 ends the run (at most worker 1's one call already back is applied after it); no sample is lost or repeated and no push is applied that the chief did not count (a call of worker 0
   that failed with its peer is sent again).
 - The same, worker 1's server stopped (SIGSTOP) instead: its call not back within ``heartbeat_s``, it is dropped
   the same way and worker 0 ends the run.
@@ -138,7 +138,11 @@ def test_a_killed_worker_loses_no_sample_and_no_push_is_applied_twice(forks, tmp
     summary, _ = chief(forks, tmp_path / "run", "2", "64", "1,3", "static", "4", "none", "1", "5")
     every_sample_once(summary, epochs=4)
     assert list(summary["dropped"]) == ["1"] and "Error" in summary["dropped"]["1"]
-    assert summary["pushes"][1] <= 5  # killed once 5 pushes were applied; worker 0 ended the run
+    # killed once 5 pushes were applied and both workers had answered (worker 1 pushed 10 times before worker 0's
+    # first answer at 87% of a loaded whole-suite run); after the kill at most its one call already back is applied
+    who = [push[0] for push in summary["order"]]
+    killed_at = next(n for n in range(5, len(who) + 1) if {0, 1} <= set(who[:n]))
+    assert summary["pushes"] == [who.count(0), who.count(1)] and who[killed_at:].count(1) <= 1, (killed_at, who)
     assert summary["batches"] == [64, 0]  # its share went to worker 0
 
 
