@@ -15,9 +15,10 @@ run imports nothing.
 - Two workers declared equal, scripted timings with worker 1 three times slower a sample, the ``model``
   controller every 2 x 2 pushes: the batches move to worker 0 until both push at the same rate (48 and 16), and
   the gradient function is traced once per worker whatever the batch.
-- Two workers at 16 and 48, worker 1's server SIGKILLed once 5 pushes were applied and both workers had answered:
-  the chief drops it and worker 0 ends the run (at most worker 1's one call already back is applied after it); no sample is lost or repeated and no push is applied that the chief did not count (a call of worker 0
-  that failed with its peer is sent again).
+- Two workers at 16 and 48, worker 1's server SIGKILLed once 5 pushes were applied and both workers had
+  answered: the chief drops it and worker 0 ends the run (at most worker 1's one call already back is applied
+  after the kill); no sample is lost or repeated and no push is applied that the chief did not count (a call of
+  worker 0 that failed with its peer is sent again).
 - The same, worker 1's server stopped (SIGSTOP) instead: its call not back within ``heartbeat_s``, it is dropped
   the same way and worker 0 ends the run.
 
